@@ -1,0 +1,86 @@
+"""Typed configuration: dataclasses registered in Hydra's ConfigStore.
+
+``conf/config.yaml`` starts from the ``config_schema`` node stored here, so a misspelt key or a wrong type
+fails at start-up with the key's full path (``model.options.remat``) instead of deep inside a run. Library
+code never sees these objects; the entry points turn them into plain arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclasses.dataclass
+class ModelOptionsCfg:
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "dot_product_attention"
+    lm_head_fp32: bool = True
+    logits_chunk: int = 0
+    precision: str = "default"
+
+
+@dataclasses.dataclass
+class ModelCfg:
+    name: str = "tiny"
+    # An HF directory to load (config.json + safetensors); null = random init from the numbers below.
+    path: Optional[str] = None
+    # Tokenizer: an HF directory, or `tiny` / `qwen3` to build one offline into cache_dir.
+    tokenizer: str = "tiny"
+    vocab_size: int = 1024
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    options: ModelOptionsCfg = field(default_factory=ModelOptionsCfg)
+
+
+@dataclasses.dataclass
+class DistributedCfg:
+    enabled: bool = False
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    local_device_ids: Optional[list[int]] = None
+    initialization_timeout_s: int = 300
+
+
+@dataclasses.dataclass
+class MeshCfg:
+    shape: dict[str, int] = field(default_factory=lambda: {"data": 1, "fsdp": -1, "tensor": 1})
+    rules: dict[str, Any] = field(default_factory=dict)
+    distributed: DistributedCfg = field(default_factory=DistributedCfg)
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    mesh: MeshCfg = field(default_factory=MeshCfg)
+    seed: int = 0
+    cache_dir: str = "~/.cache/jaxrl_term"
+    run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+
+
+def model_from_cfg(cfg: ModelCfg):
+    """(Qwen3Config, ModelOptions) from the model config group."""
+    from jaxrl_term.model.qwen3 import ModelOptions, Qwen3Config
+
+    arch = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Qwen3Config)}
+    opts = ModelOptions(**{f.name: getattr(cfg.options, f.name) for f in dataclasses.fields(ModelOptions)})
+    return Qwen3Config(**arch), opts

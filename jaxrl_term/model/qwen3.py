@@ -1,0 +1,454 @@
+"""The dense Qwen3 decoder in flax.nnx.
+
+Layers are stacked (every per-layer parameter has a leading ``layers`` axis) and run with ``lax.scan``,
+so compile time does not grow with depth. Parameters are stored in ``param_dtype`` and cast to
+``compute_dtype`` where used; RMSNorm statistics, softmax and (optionally) the LM head run in fp32.
+Every parameter carries ``logical_axes`` metadata that ``parallel.mesh`` turns into shardings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_term.parallel.mesh import ShardingCtx
+
+ACT = ("activation_batch", "activation_length", "activation_embed")
+
+
+class ModelConfigError(ValueError):
+    """A model config that this implementation cannot run (names the field and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Architecture numbers, named as in HF's ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any], source: str = "config.json") -> Qwen3Config:
+        """From an HF config dict (transformers v4 ``rope_theta`` or v5 ``rope_parameters``)."""
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        if model_type != "qwen3" and "Qwen3ForCausalLM" not in archs:
+            raise ModelConfigError(
+                f"{source}: unknown architecture (model_type={model_type!r}, architectures={archs}); "
+                "jaxrl_term implements the dense Qwen3 decoder (model_type 'qwen3', Qwen3ForCausalLM)"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise ModelConfigError(f"{source}: hidden_act={d['hidden_act']!r}; Qwen3 uses 'silu'")
+        if d.get("attention_bias", False):
+            raise ModelConfigError(f"{source}: attention_bias=true is not supported (Qwen3 has no attention bias)")
+        if d.get("use_sliding_window", False):
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported; set it to false")
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", d.get("rope_theta", 10_000.0))
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise ModelConfigError(
+                f"{source}: rope_type {rope_type!r} is not supported (only 'default' RoPE); "
+                "remove rope_scaling / rope_parameters.rope_type to train at the native context length"
+            )
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if k not in d
+        ]
+        if missing:
+            raise ModelConfigError(f"{source}: missing fields {missing}")
+        heads = int(d["num_attention_heads"])
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+        )
+
+    def to_hf(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        """An HF ``config.json`` dict that transformers (v4 and v5) and SGLang read."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+        }
+
+    def num_params(self) -> int:
+        h, i, d, L = self.hidden_size, self.intermediate_size, self.head_dim, self.num_hidden_layers
+        nq, nkv = self.num_attention_heads, self.num_key_value_heads
+        per_layer = h * d * (2 * nq + 2 * nkv) + 3 * h * i + 2 * h + 2 * d
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + L * per_layer + h + head
+
+
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "full": None,  # save nothing, recompute the layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_all": jax.checkpoint_policies.checkpoint_dots,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How to run the architecture: dtypes, rematerialisation, attention kernel, LM head precision."""
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: str = "none"  # none | full | dots | dots_all | nothing_saveable
+    attention: str = "dot_product_attention"  # jax.nn.dot_product_attention (cuDNN on GPU) | xla (our einsum)
+    lm_head_fp32: bool = True  # fp32 logits from fp32-cast hidden states (engine and trainer alike)
+    logits_chunk: int = 0  # sequence chunk for lm_head_map; 0 = whole sequence at once
+    precision: str = "default"  # matmul precision of the body: default | high | highest
+
+    def __post_init__(self):
+        if self.remat != "none" and self.remat not in REMAT_POLICIES:
+            raise ModelConfigError(f"model.remat={self.remat!r}; use none or one of {sorted(REMAT_POLICIES)}")
+        if self.attention not in ("xla", "dot_product_attention"):
+            raise ModelConfigError(f"model.attention={self.attention!r}; use 'xla' or 'dot_product_attention'")
+        for f in ("param_dtype", "compute_dtype"):
+            if getattr(self, f) not in ("float32", "bfloat16", "float16"):
+                raise ModelConfigError(f"model.{f}={getattr(self, f)!r}; use float32, bfloat16 or float16")
+
+    @property
+    def pdtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def cdtype(self):
+        return jnp.dtype(self.compute_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- maths
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF Qwen3RMSNorm: statistics in fp32, result cast back before scaling by the weight."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: [B, T, head_dim] for integer ``positions`` [B, T] (fp32 angles, cast to ``dtype``)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [B, T, N, D]; cos/sin: [B, T, D]. Rotate-half convention (HF)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def make_attention_mask(attention_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    """[B, T, T] bool: causal, key not padding, and (with packing) same segment."""
+    t = attention_mask.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    mask = causal[None] & attention_mask.astype(bool)[:, None, :]
+    if segment_ids is not None:
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return mask
+
+
+def dot_attention(q, k, v, mask, scale: float, precision=None) -> jax.Array:
+    """Grouped-query attention. q: [B,T,Nq,D], k/v: [B,S,Nkv,D], mask: [B,T,S] bool -> [B,T,Nq,D].
+
+    Scores and softmax in fp32; fully masked rows (padding queries) give finite values.
+    """
+    b, t, nq, d = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(b, t, nkv, nq // nkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32, precision=precision)
+    s = s * scale
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v, precision=precision)
+    return o.reshape(b, t, nq, d)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+LAYER_PARAMS = (
+    "input_layernorm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_norm",
+    "k_norm",
+    "post_attention_layernorm",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers, each parameter stacked on a leading ``layers`` axis."""
+
+    def __init__(self, cfg: Qwen3Config, opts: ModelOptions, *, rngs: nnx.Rngs):
+        L, h, i, d = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        nq, nkv, pd = cfg.num_attention_heads, cfg.num_key_value_heads, opts.pdtype
+
+        def w(shape, axes):
+            return nnx.Param(_normal(rngs, (L, *shape), pd), logical_axes=("layers", *axes))
+
+        def ones(n, axes):
+            return nnx.Param(jnp.ones((L, n), pd), logical_axes=("layers", *axes))
+
+        self.input_layernorm = ones(h, ("norm",))
+        self.q_proj = w((h, nq, d), ("embed", "q_heads", "head_dim"))
+        self.k_proj = w((h, nkv, d), ("embed", "kv_heads", "head_dim"))
+        self.v_proj = w((h, nkv, d), ("embed", "kv_heads", "head_dim"))
+        self.o_proj = w((nq, d, h), ("q_heads", "head_dim", "embed"))
+        self.q_norm = ones(d, ("head_dim",))
+        self.k_norm = ones(d, ("head_dim",))
+        self.post_attention_layernorm = ones(h, ("norm",))
+        self.gate_proj = w((h, i), ("embed", "mlp"))
+        self.up_proj = w((h, i), ("embed", "mlp"))
+        self.down_proj = w((i, h), ("mlp", "embed"))
+
+    def stacked(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
+
+
+def decoder_layer(
+    x: jax.Array,
+    p: Mapping[str, jax.Array],
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array,
+    cfg: Qwen3Config,
+    opts: ModelOptions,
+    shard: ShardingCtx,
+) -> jax.Array:
+    """One pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). x: [B, T, H] in compute dtype."""
+    cd, eps = opts.cdtype, cfg.rms_norm_eps
+    prec = None if opts.precision == "default" else opts.precision
+    pc = {k: v.astype(cd) for k, v in p.items()}
+
+    h = rms_norm(x, pc["input_layernorm"], eps)
+    q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"], precision=prec)
+    k = jnp.einsum("bth,hnd->btnd", h, pc["k_proj"], precision=prec)
+    v = jnp.einsum("bth,hnd->btnd", h, pc["v_proj"], precision=prec)
+    q = shard.constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
+    k = shard.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
+    q = apply_rope(rms_norm(q, pc["q_norm"], eps), cos, sin)
+    k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    if opts.attention == "xla":
+        o = dot_attention(q, k, v, mask, scale, prec)
+    else:
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+    x = x + jnp.einsum("btnd,ndh->bth", o, pc["o_proj"], precision=prec)
+    x = shard.constrain(x, ACT)
+
+    h = rms_norm(x, pc["post_attention_layernorm"], eps)
+    gate = jnp.einsum("bth,hi->bti", h, pc["gate_proj"], precision=prec)
+    up = jnp.einsum("bth,hi->bti", h, pc["up_proj"], precision=prec)
+    act = shard.constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+    x = x + jnp.einsum("bti,ih->bth", act, pc["down_proj"], precision=prec)
+    return shard.constrain(x, ACT)
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM. ``model(input_ids [B,T] int32, attention_mask [B,T]) -> logits [B,T,V]``."""
+
+    def __init__(
+        self,
+        cfg: Qwen3Config,
+        options: ModelOptions | None = None,
+        *,
+        rngs: nnx.Rngs,
+        shard: ShardingCtx | None = None,
+    ):
+        opts = options or ModelOptions()
+        self.config = cfg
+        self.options = opts
+        self.shard = shard or ShardingCtx()
+        self.embed_tokens = nnx.Param(
+            _normal(rngs, (cfg.vocab_size, cfg.hidden_size), opts.pdtype), logical_axes=("vocab", "embed")
+        )
+        self.layers = DecoderLayers(cfg, opts, rngs=rngs)
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), opts.pdtype), logical_axes=("norm",))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(
+                _normal(rngs, (cfg.hidden_size, cfg.vocab_size), opts.pdtype), logical_axes=("embed", "vocab")
+            )
+        else:
+            self.lm_head = None
+
+    # -- body -------------------------------------------------------------------------------------
+    def hidden_states(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Final-normed hidden states [B, T, H] in compute dtype.
+
+        ``positions`` default to ``cumsum(attention_mask) - 1`` (correct for left and right padding);
+        ``segment_ids`` restrict attention to equal ids (sequence packing).
+        """
+        cfg, opts = self.config, self.options
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        if positions is None:
+            positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
+        mask = make_attention_mask(attention_mask, segment_ids)
+        # Gather from a vocab-replicated view of the table (sharded on embed only), then reshard by batch.
+        table = self.shard.constrain(self.embed_tokens[...], (None, "embed"))
+        x = jnp.take(table, input_ids, axis=0).astype(opts.cdtype)
+        x = self.shard.constrain(x, ACT)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
+
+        def body(carry, p):
+            return decoder_layer(carry, p, cos, sin, mask, cfg, opts, self.shard), None
+
+        if opts.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[opts.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, self.layers.stacked())
+        return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+
+    # -- head -------------------------------------------------------------------------------------
+    def head_weight(self) -> jax.Array:
+        """[H, V] (the transposed embedding when tied)."""
+        return self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[B, T, H] -> [B, T, V]; fp32 (HIGHEST precision matmul on fp32-cast inputs) when lm_head_fp32."""
+        w = self.head_weight()
+        if self.options.lm_head_fp32:
+            out = jnp.einsum(
+                "bth,hv->btv",
+                hidden.astype(jnp.float32),
+                w.astype(jnp.float32),
+                precision=jax.lax.Precision.HIGHEST,
+            )
+        else:
+            out = jnp.einsum("bth,hv->btv", hidden, w.astype(hidden.dtype))
+        return self.shard.constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
+
+    def lm_head_map(self, hidden: jax.Array, fn: Callable, *xs: jax.Array, chunk: int | None = None):
+        """Apply ``fn(logits [B,C,V], *x_chunks)`` over sequence chunks of C tokens; outputs join along T.
+
+        Only one [B, C, V] block of logits exists at a time, and it is recomputed in the backward pass
+        (``jax.checkpoint``), so a 151k vocabulary never materialises [B, T, V]. ``xs`` are [B, T, ...]
+        arrays chunked alongside (e.g. target ids); ``fn`` returns a pytree of [B, C, ...] arrays.
+        """
+        chunk = self.options.logits_chunk if chunk is None else chunk
+        b, t, _ = hidden.shape
+        if not chunk or chunk >= t:
+            return fn(self.logits(hidden), *xs)
+        n = -(-t // chunk)
+        pad = n * chunk - t
+
+        def split(a):
+            a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+            return jnp.moveaxis(a.reshape(b, n, chunk, *a.shape[2:]), 1, 0)
+
+        @jax.checkpoint
+        def body(_, inp):
+            h, rest = inp
+            return None, fn(self.logits(h), *rest)
+
+        _, ys = jax.lax.scan(body, None, (split(hidden), tuple(split(x) for x in xs)))
+        return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, n * chunk, *y.shape[3:])[:, :t], ys)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids, attention_mask, positions, segment_ids))
+
+
+
+def create_model(
+    cfg: Qwen3Config,
+    options: ModelOptions | None = None,
+    *,
+    seed: int = 0,
+    shard: ShardingCtx | None = None,
+) -> Qwen3:
+    """A randomly initialised model; with a mesh, each parameter is created directly in its sharding."""
+    shard = shard or ShardingCtx()
+    if shard.mesh is None:
+        return Qwen3(cfg, options, rngs=nnx.Rngs(seed), shard=shard)
+    from jaxrl_term.parallel.mesh import state_shardings
+
+    abstract = nnx.eval_shape(lambda: Qwen3(cfg, options, rngs=nnx.Rngs(seed), shard=shard))
+    graphdef, state = nnx.split(abstract)
+    shardings = state_shardings(state, shard)
+
+    def init():
+        return nnx.state(Qwen3(cfg, options, rngs=nnx.Rngs(seed), shard=shard))
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,50 @@
+"""Shared fixtures. Eight fake CPU devices are set up before JAX is imported anywhere."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need(condition: bool, why: str) -> None:
+    """Skip locally when a prerequisite is missing; under CI=true a missing prerequisite is a failure."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true and a prerequisite is missing: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    from jaxrl_term.sandbox.images import DockerUnavailable, docker_client
+
+    try:
+        client = docker_client()
+    except DockerUnavailable as e:
+        need(False, f"Docker engine: {e} (run `python -m jaxrl_term.sandbox.images setup`)")
+    return client
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    from jaxrl_term.model.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok_tiny"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory):
+    from jaxrl_term.model.tokenizer import build_qwen3_tokenizer
+
+    return build_qwen3_tokenizer(tmp_path_factory.mktemp("tok_qwen3"))
