@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from jaxrl_term.rl.step import AlgoConfig, OptimConfig
+
 
 @dataclasses.dataclass
 class ModelOptionsCfg:
@@ -67,6 +69,8 @@ class MeshCfg:
 class Config:
     model: ModelCfg = field(default_factory=ModelCfg)
     mesh: MeshCfg = field(default_factory=MeshCfg)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"

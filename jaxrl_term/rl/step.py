@@ -1,0 +1,294 @@
+"""The RL update: one ``jax.jit`` with explicit in/out shardings and donated state.
+
+A batch arrives as [M, b, T] microbatches. ``lax.scan`` runs them with fp32 gradient accumulators; each
+microbatch contributes the *numerator* of the aggregated loss, and the sum is divided once by the global
+denominator (token count, or sequence count for sequence-level modes), computed from the masks up front.
+A mean of microbatch means would weight tokens differently; this is the exact batch objective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl_term.model.qwen3 import ModelOptions, Qwen3, Qwen3Config
+from jaxrl_term.parallel.mesh import LogicalRules, ShardingCtx, make_mesh, state_shardings
+from jaxrl_term.rl.batch import Batch, from_microbatches, to_microbatches
+from jaxrl_term.rl.logprobs import sequence_logprobs
+from jaxrl_term.rl.losses import POLICY_LOSSES, aggregate, kl_penalty
+
+
+@dataclasses.dataclass
+class AlgoConfig:
+    """What the update optimises (conf/algo/*.yaml)."""
+
+    name: str = "grpo"
+    loss: str = "ppo_clip"  # ppo_clip | dppo
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | loop
+    std_ddof: int = 0
+    group_size: int = 8
+    # PPO / GRPO / DAPO
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: Optional[float] = None
+    use_old_logp: bool = False  # ratio against a trainer recomputation (old_logp) instead of rollout log-probs
+    recompute_old_logp: bool = False  # run a no-grad pass before the update to fill old_logp
+    tis_cap: Optional[float] = None  # truncated importance sampling vs. the rollout policy (needs old_logp)
+    epochs: int = 1  # optimizer passes over each batch (PPO-style; >1 needs use_old_logp)
+    # DPPO
+    delta: float = 0.1
+    divergence: str = "binary_tv"  # binary_tv | binary_kl
+    ratio_cap: Optional[float] = 10.0
+    # KL to a reference policy (both seeds ran without it)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    # aggregation and numerics
+    aggregation: str = "token-mean"
+    norm_len: Optional[int] = None
+    temperature: float = 1.0  # the sampling temperature: trainer log-probs use the same distribution
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(f"algo.loss={self.loss!r}; registered losses: {sorted(POLICY_LOSSES)}")
+        if self.tis_cap and not self.use_old_logp:
+            raise ValueError("algo.tis_cap needs algo.use_old_logp=true (TIS reweights old/rollout)")
+        if self.epochs > 1 and not self.use_old_logp and self.loss == "ppo_clip":
+            raise ValueError("algo.epochs > 1 with ppo_clip needs use_old_logp=true and recompute_old_logp=true")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """optax.chain(clip_by_global_norm, adamw(schedule)) (conf/optim/*.yaml)."""
+
+    lr: float = 1e-6
+    schedule: str = "constant"  # constant | warmup_constant | warmup_cosine
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+
+
+def make_schedule(o: OptimConfig):
+    if o.schedule == "constant":
+        return optax.constant_schedule(o.lr)
+    if o.schedule == "warmup_constant":
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, o.lr, max(o.warmup_steps, 1)), optax.constant_schedule(o.lr)],
+            [max(o.warmup_steps, 1)],
+        )
+    if o.schedule == "warmup_cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, o.lr, max(o.warmup_steps, 1), max(o.total_steps, o.warmup_steps + 1), o.lr * o.end_lr_ratio
+        )
+    raise ValueError(f"optim.schedule={o.schedule!r}; use constant, warmup_constant or warmup_cosine")
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only: norms (1-D per layer) are left alone."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not str(getattr(path[-1], "key", "")).endswith("norm"), params
+    )
+
+
+def make_optimizer(o: OptimConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(o.grad_clip),
+        optax.adamw(make_schedule(o), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=_decay_mask),
+    )
+
+
+@struct.dataclass
+class TrainState:
+    params: Any  # pure dict of arrays, master dtype (fp32 or bf16 by model.options.param_dtype)
+    opt_state: Any
+    step: jax.Array  # int32 scalar
+    rng: jax.Array  # uint32[2] (raw key: checkpoints stay plain arrays)
+
+
+METRIC_SUMS = ("logp_gap_mean", "entropy", "clip_frac", "masked_frac", "ratio", "tis_weight", "kl")
+
+
+@dataclasses.dataclass
+class TrainStep:
+    """The compiled update and its helpers for one (model, algo, optim, mesh) combination."""
+
+    model_cfg: Qwen3Config
+    options: ModelOptions
+    algo: AlgoConfig
+    optim: OptimConfig
+    mesh: jax.sharding.Mesh
+    rules: LogicalRules
+    graphdef: Any
+    optimizer: optax.GradientTransformation
+    param_shardings: Any
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    _step: Any = None
+    _logprobs: Any = None
+
+    # -- state ------------------------------------------------------------------------------------
+    def init_state(self, params, seed: int = 0) -> TrainState:
+        """TrainState from a pure dict of params (any placement), placed with the state shardings."""
+        params = jax.device_put(params, self.param_shardings)
+
+        def init(p):
+            return TrainState(p, self.optimizer.init(p), jnp.zeros((), jnp.int32), jax.random.PRNGKey(seed))
+
+        return jax.jit(init, out_shardings=self.state_shardings)(params)
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: the restore target for checkpoints (any mesh)."""
+        shapes = jax.eval_shape(lambda: self._abstract_init())
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                            self.state_shardings)
+
+    def _abstract_init(self):
+        params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _abstract_params(self)[1])
+        return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.PRNGKey(0))
+
+    def model(self, params) -> Qwen3:
+        return nnx.merge(self.graphdef, params)
+
+    # -- batches ----------------------------------------------------------------------------------
+    def place_batch(self, batch: Batch) -> Batch:
+        mb = to_microbatches(batch, self.algo.microbatches)
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if mb.tokens.shape[1] % shards:
+            raise ValueError(
+                f"{mb.tokens.shape[1]} rows per microbatch do not divide over {shards} data-parallel shards; "
+                f"build the batch with row_multiple={self.algo.microbatches * shards}"
+            )
+        return jax.device_put(mb, self.batch_sharding)
+
+    # -- calls ------------------------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, float]]:
+        """One optimizer update on ``batch`` ([B, T], host). Donates ``state``."""
+        new_state, metrics = self._step(state, self.place_batch(batch))
+        return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+    def logprobs(self, params, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+        """No-grad (logp, entropy) [B, T] under ``params`` (old-policy or reference pass)."""
+        lp, ent = self._logprobs(params, self.place_batch(batch))
+        return from_microbatches(jax.device_get(lp)), from_microbatches(jax.device_get(ent))
+
+
+def _abstract_params(ts_or_cfg):
+    cfg, opts, shard = ts_or_cfg.model_cfg, ts_or_cfg.options, ShardingCtx(ts_or_cfg.mesh, ts_or_cfg.rules)
+    abstract = nnx.eval_shape(lambda: Qwen3(cfg, opts, rngs=nnx.Rngs(0), shard=shard))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, nnx.to_pure_dict(state), state
+
+
+def make_train_step(
+    model_cfg: Qwen3Config,
+    algo_cfg: AlgoConfig,
+    optim_cfg: OptimConfig,
+    mesh: jax.sharding.Mesh | None = None,
+    *,
+    options: ModelOptions | None = None,
+    rules: LogicalRules | None = None,
+) -> TrainStep:
+    """Build the jitted update for a model architecture on a mesh (a one-device mesh when None)."""
+    options = options or ModelOptions()
+    rules = rules or LogicalRules.from_mapping()
+    if mesh is None:
+        mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    shard = ShardingCtx(mesh, rules)
+    ts = TrainStep(model_cfg, options, algo_cfg, optim_cfg, mesh, rules, None, make_optimizer(optim_cfg),
+                   None, None, shard.named((None, "batch", None)))
+    graphdef, abstract_params, abstract_state = _abstract_params(ts)
+    ts.graphdef = graphdef
+    ts.param_shardings = nnx.to_pure_dict(state_shardings(abstract_state, shard))
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(ts.optimizer.init, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        ts.optimizer, lambda _, s: s, abstract_opt, ts.param_shardings, transform_non_params=lambda _: replicated
+    )
+    ts.state_shardings = TrainState(ts.param_shardings, opt_shardings, replicated, replicated)
+    batch_sh = jax.tree.map(lambda _: ts.batch_sharding, Batch(*([0] * 8)))
+    loss_fn = POLICY_LOSSES[algo_cfg.loss]
+    algo = algo_cfg
+    schedule = make_schedule(optim_cfg)
+
+    def forward(params, x: Batch):
+        model = nnx.merge(graphdef, params)
+        attn = (x.segment_ids > 0).astype(jnp.int32)
+        return sequence_logprobs(model, x.tokens, attn, x.positions, x.segment_ids,
+                                 temperature=algo.temperature, chunk=options.logits_chunk or None)
+
+    def numerator(params, x: Batch):
+        logp, ent = forward(params, x)
+        inputs = dict(logp=logp, entropy=ent, rollout_logp=x.rollout_logp, old_logp=x.old_logp,
+                      advantages=x.advantages, loss_mask=x.loss_mask)
+        per_tok, metrics = loss_fn(inputs, algo)
+        if algo.kl_coef:
+            kl = kl_penalty(logp, x.ref_logp, algo.kl_estimator) * x.loss_mask
+            per_tok = per_tok + algo.kl_coef * kl
+            metrics["kl"] = kl
+        num, _ = aggregate(per_tok, x.loss_mask, algo.aggregation, segment_ids=x.segment_ids, norm_len=algo.norm_len)
+        sums = {k: (v.max() if k == "logp_gap_max" else v.sum()) for k, v in metrics.items()}
+        return num, sums
+
+    def denominator(x: Batch):
+        mask = x.loss_mask
+        return aggregate(jnp.zeros_like(mask), mask, algo.aggregation, segment_ids=x.segment_ids,
+                         norm_len=algo.norm_len)[1]
+
+    def train_step(state: TrainState, mb: Batch):
+        denom = jax.vmap(denominator)(mb).sum()
+        tokens = mb.loss_mask.sum()
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        _, metric_shape = jax.eval_shape(numerator, state.params, jax.tree.map(lambda a: a[0], mb))
+        metric0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shape)
+
+        def micro(carry, x):
+            grads, num_acc, m_acc = carry
+            (num, sums), g = jax.value_and_grad(numerator, has_aux=True)(state.params, x)
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            m_acc = {k: (jnp.maximum(m_acc[k], v) if k == "logp_gap_max" else m_acc[k] + v) for k, v in sums.items()}
+            return (grads, num_acc + num, m_acc), None
+
+        (grads, num, msum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), metric0), mb)
+        safe_denom = jnp.maximum(denom, 1e-8)
+        grads = jax.tree.map(lambda g: g / safe_denom, grads)
+        grad_norm = optax.global_norm(grads)
+        # An all-masked batch or a non-finite gradient skips the update: params never become NaN.
+        ok = (denom > 0) & jnp.isfinite(grad_norm)
+        grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
+        updates, new_opt = ts.optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+        key, _ = jax.random.split(state.rng)
+        new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state), state.step + 1, key)
+        ntok = jnp.maximum(tokens, 1.0)
+        metrics = {k: (v if k == "logp_gap_max" else v / ntok) for k, v in msum.items()}
+        metrics.update(loss=num / safe_denom, grad_norm=grad_norm, lr=schedule(state.step), tokens=tokens,
+                       skipped=1.0 - ok.astype(jnp.float32), denominator=denom)
+        return new_state, metrics
+
+    ts._step = jax.jit(
+        train_step,
+        in_shardings=(ts.state_shardings, batch_sh),
+        out_shardings=(ts.state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+
+    def logprob_pass(params, mb: Batch):
+        return jax.lax.map(lambda x: forward(params, x), mb)
+
+    ts._logprobs = jax.jit(logprob_pass, in_shardings=(ts.param_shardings, batch_sh),
+                           out_shardings=(ts.batch_sharding, ts.batch_sharding))
+    return ts
