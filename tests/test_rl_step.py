@@ -193,3 +193,27 @@ def test_bf16_params_and_compute_update_stays_finite():
     state, metrics = ts(state, make_batch(samples(), buckets=(32,)))
     assert state.params["layers"]["q_proj"].dtype == jnp.bfloat16
     assert np.isfinite(metrics["loss"]) and metrics["skipped"] == 0.0
+
+
+def test_old_policy_pass_and_epochs_start_on_policy():
+    algo = AlgoConfig(use_old_logp=True, recompute_old_logp=True, epochs=3, eps_high=0.28)
+    ts = make_train_step(CFG, algo, OptimConfig(lr=1e-2, weight_decay=0.0))
+    state = ts.init_state(params0())
+    state, history = ts.update(state, make_batch(samples(), buckets=(32,)))
+    assert len(history) == 3 and int(state.step) == 3
+    assert history[0]["ratio"] == pytest.approx(1.0, abs=1e-5) and history[0]["clip_frac"] == 0.0
+    assert abs(history[-1]["ratio"] - 1.0) > 1e-3  # later epochs are off-policy against the same old_logp
+
+
+def test_reference_pass_feeds_the_kl_term():
+    algo = AlgoConfig(kl_coef=0.1, kl_estimator="k3")
+    ts = make_train_step(CFG, algo, OptimConfig(lr=1e-2, weight_decay=0.0))
+    ref = params0()
+    state = ts.init_state(params0())
+    batch = make_batch(samples(), buckets=(32,))
+    state, h1 = ts.update(state, batch, ref_params=ref)
+    state, h2 = ts.update(state, batch, ref_params=ref)
+    assert h1[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at the first step
+    assert h2[0]["kl"] > 1e-6
+    with pytest.raises(ValueError, match="ref_params"):
+        ts.update(state, batch)

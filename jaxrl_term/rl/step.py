@@ -179,6 +179,22 @@ class TrainStep:
         new_state, metrics = self._step(state, self.place_batch(batch))
         return new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
+    def update(self, state: TrainState, batch: Batch, ref_params=None) -> tuple[TrainState, list[dict[str, float]]]:
+        """The whole update for one batch: the optional old-policy pass (``algo.recompute_old_logp``), the
+        optional reference pass (``algo.kl_coef > 0``, ``ref_params``), then ``algo.epochs`` steps.
+        Returns the new state and one metrics dict per step."""
+        if self.algo.recompute_old_logp:
+            batch = batch.replace(old_logp=self.logprobs(state.params, batch)[0])
+        if self.algo.kl_coef:
+            if ref_params is None:
+                raise ValueError("algo.kl_coef > 0 needs the reference policy's params (ref_params)")
+            batch = batch.replace(ref_logp=self.logprobs(ref_params, batch)[0])
+        history = []
+        for _ in range(self.algo.epochs):
+            state, metrics = self(state, batch)
+            history.append(metrics)
+        return state, history
+
     def logprobs(self, params, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """No-grad (logp, entropy) [B, T] under ``params`` (old-policy or reference pass)."""
         lp, ent = self._logprobs(params, self.place_batch(batch))
