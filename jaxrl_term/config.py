@@ -66,11 +66,34 @@ class MeshCfg:
 
 
 @dataclasses.dataclass
+class SandboxCfg:
+    backend: str = "docker"
+    max_concurrent: int = 16
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    pids: int = 512
+    network: bool = False
+    workdir: str = "/app"
+    max_output_bytes: int = 32768
+    command_timeout_s: float = 120.0
+    image_map: list[Any] = field(default_factory=list)
+    extra_ca_bundle: str = "auto"
+    build_timeout_s: float = 1800.0
+    max_parallel_builds: int = 2
+
+    def limits(self) -> dict[str, Any]:
+        """Keyword arguments for ``open_sandbox`` / ``SandboxPool``."""
+        return dict(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids, network=self.network,
+                    workdir=self.workdir, max_output_bytes=self.max_output_bytes)
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelCfg = field(default_factory=ModelCfg)
     mesh: MeshCfg = field(default_factory=MeshCfg)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sandbox: SandboxCfg = field(default_factory=SandboxCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"

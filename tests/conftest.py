@@ -48,3 +48,21 @@ def qwen3_tokenizer_dir(tmp_path_factory):
     from jaxrl_term.model.tokenizer import build_qwen3_tokenizer
 
     return build_qwen3_tokenizer(tmp_path_factory.mktemp("tok_qwen3"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_sandbox_left_behind():
+    """After the whole suite, no sandbox container of this test process (or of a dead one) remains."""
+    yield
+    try:
+        from jaxrl_term.sandbox.docker import LABEL_HOST, LABEL_PID, LABEL_RUN, _pid_alive, client
+
+        left = client().containers.list(all=True, filters={"label": LABEL_RUN})
+    except Exception:  # noqa: BLE001 - no Docker here: nothing can be left behind
+        return
+    import socket
+
+    mine = [c.name for c in left if (c.labels or {}).get(LABEL_HOST) == socket.gethostname()
+            and (int((c.labels or {}).get(LABEL_PID, 0)) == os.getpid()
+                 or not _pid_alive(int((c.labels or {}).get(LABEL_PID, 0))))]
+    assert not mine, f"sandbox containers left behind: {mine}"

@@ -114,7 +114,7 @@ def ensure_engine(install: bool = True, wait_s: float = 90.0):
                 "Start Docker yourself, or use the local (bubblewrap) sandbox backend: sandbox=local"
             ) from first
     if shutil.which("dockerd") is None:
-        _apt_install(["docker.io", "debootstrap"])
+        _apt_install(["docker.io", "debootstrap", "bubblewrap"])
     log.info("starting dockerd (log: %s)", DOCKERD_LOG)
     with open(DOCKERD_LOG, "ab") as out:
         subprocess.Popen(
@@ -132,6 +132,21 @@ def ensure_engine(install: bool = True, wait_s: float = 90.0):
                 tail = Path(DOCKERD_LOG).read_text(errors="replace")[-2000:]
                 raise DockerUnavailable(f"dockerd did not answer within {wait_s:.0f}s; its log ends:\n{tail}")
             time.sleep(0.5)
+
+
+def ensure_bubblewrap(install: bool = True) -> bool:
+    """bwrap for the local sandbox backend (installed as root on Debian when missing)."""
+    if shutil.which("bwrap"):
+        return True
+    if install and os.geteuid() == 0 and _is_debian():
+        try:
+            _apt_install(["bubblewrap"])
+        except subprocess.CalledProcessError as e:
+            print(f"[jaxrl_term] could not install bubblewrap: {e}", file=sys.stderr)
+    ok = shutil.which("bwrap") is not None
+    if not ok:
+        print("[jaxrl_term] bubblewrap (bwrap) missing: the local sandbox backend is unavailable", file=sys.stderr)
+    return ok
 
 
 # ------------------------------------------------------------------------------------------------ images
@@ -279,6 +294,202 @@ def _build(client, dockerfile: str, files: dict[str, bytes], tag: str) -> None:
             raise RuntimeError(f"docker build {tag} failed: {chunk['error']}\n{''.join(log_lines)[-3000:]}")
 
 
+# ------------------------------------------------------------------------------------------ task images
+
+# Registry base images named by tasks -> local images, used only when the named image is not present locally.
+# First matching glob wins; configurable (sandbox.image_map).
+DEFAULT_IMAGE_MAP: tuple[tuple[str, str], ...] = (
+    ("ghcr.io/laude-institute/t-bench/python-3-13*", "jaxrl-term/base:trixie"),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04*", "jaxrl-term/base:trixie"),
+    ("ghcr.io/laude-institute/t-bench/*", "jaxrl-term/base:trixie"),
+    ("python:3.11*", "jaxrl-term/base:bookworm"),
+    ("python:3*", "jaxrl-term/base:trixie"),
+    ("ubuntu:*", "jaxrl-term/base:trixie"),
+    ("debian:bookworm*", "jaxrl-term/base:bookworm"),
+    ("debian:*", "jaxrl-term/base:trixie"),
+)
+TASK_IMAGE_REPO = "jaxrl-term/task"
+CA_PATH_IN_IMAGE = "/usr/local/share/ca-certificates/jaxrl-term-extra-ca.crt"
+
+
+class ImageBuildError(RuntimeError):
+    """A task image that could not be built; ``step`` and ``log`` hold the failing step and its output."""
+
+    def __init__(self, message: str, step: str = "", log: str = ""):
+        super().__init__(message + (f"\nfailing step: {step}" if step else "") + (f"\n{log}" if log else ""))
+        self.step, self.log = step, log
+
+
+def _from_lines(dockerfile: str):
+    """Yield (line index, image, stage alias) for every FROM instruction."""
+    for i, line in enumerate(dockerfile.splitlines()):
+        parts = line.strip().split()
+        if not parts or parts[0].upper() != "FROM":
+            continue
+        args = [p for p in parts[1:] if not p.startswith("--")]
+        if not args:
+            continue
+        alias = args[2] if len(args) >= 3 and args[1].upper() == "AS" else None
+        yield i, args[0], alias
+
+
+def resolve_base(client, image: str, image_map: Sequence[tuple[str, str]]) -> str:
+    """The image itself when present locally, else its mapping, else an error naming the config."""
+    import fnmatch
+
+    import docker
+
+    try:
+        client.images.get(image)
+        return image
+    except docker.errors.ImageNotFound:
+        pass
+    for pattern, local in image_map:
+        if fnmatch.fnmatchcase(image, pattern):
+            return local
+    raise ImageBuildError(
+        f"FROM {image}: not available locally and no registry can be reached; map it to a local image in "
+        "sandbox.image_map (glob -> image), e.g. ['" + image.split(":")[0] + "*', 'jaxrl-term/base:trixie']"
+    )
+
+
+def prepare_dockerfile(client, dockerfile: str, image_map, ca_bundle: Path | None) -> tuple[str, list[str]]:
+    """Rewrite FROM lines to local images; add the extra CA bundle after FROMs that are not our bases.
+    Returns the new Dockerfile and the resolved base images (for the cache key)."""
+    lines = dockerfile.splitlines()
+    stages: set[str] = set()
+    bases: list[str] = []
+    inserts: dict[int, list[str]] = {}
+    for i, image, alias in _from_lines(dockerfile):
+        if image in stages:  # FROM an earlier build stage
+            resolved = image
+        else:
+            resolved = resolve_base(client, image, image_map)
+            bases.append(resolved)
+            if resolved != image:
+                lines[i] = lines[i].replace(image, resolved, 1)
+            if ca_bundle is not None and not resolved.startswith("jaxrl-term/base:"):
+                inserts[i] = [
+                    f"COPY jaxrl-term-extra-ca.crt {CA_PATH_IN_IMAGE}",
+                    f"ENV PIP_CERT={CA_PATH_IN_IMAGE} REQUESTS_CA_BUNDLE={CA_PATH_IN_IMAGE} "
+                    f"SSL_CERT_FILE={CA_PATH_IN_IMAGE}",
+                ]
+        if alias:
+            stages.add(alias)
+    if not bases and not stages:
+        raise ImageBuildError("Dockerfile has no FROM instruction")
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        out.append(line)
+        out.extend(inserts.get(i, []))
+    return "\n".join(out) + "\n", bases
+
+
+ContextFiles = dict[str, "bytes | tuple[bytes, int]"]
+
+
+def _context_tar(dockerfile: str, files: ContextFiles, ca_bundle: Path | None) -> io.BytesIO:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        entries = {"Dockerfile": (dockerfile.encode(), 0o644)}
+        for name, val in files.items():
+            data, mode = val if isinstance(val, tuple) else (val, 0o644)
+            entries[name.lstrip("/")] = (data, mode)
+        if ca_bundle is not None:
+            entries["jaxrl-term-extra-ca.crt"] = (ca_bundle.read_bytes(), 0o644)
+        for name, (data, mode) in sorted(entries.items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), mode, 0
+            tar.addfile(info, io.BytesIO(data))
+    buf.seek(0)
+    return buf
+
+
+def task_image_tag(dockerfile: str, files: ContextFiles, base_ids: Sequence[str], ca: Path | None) -> str:
+    h = hashlib.sha256()
+    h.update(dockerfile.encode())
+    for name in sorted(files):
+        val = files[name]
+        data, mode = val if isinstance(val, tuple) else (val, 0o644)
+        h.update(f"\0{name}\0{mode}\0".encode())
+        h.update(data)
+    h.update(json.dumps(list(base_ids)).encode())
+    if ca is not None:
+        h.update(ca.read_bytes())
+    return f"{TASK_IMAGE_REPO}:{h.hexdigest()[:20]}"
+
+
+def build_task_image(
+    client,
+    dockerfile: str,
+    files: ContextFiles | None = None,
+    *,
+    image_map: Sequence[tuple[str, str]] = DEFAULT_IMAGE_MAP,
+    ca_bundle: Path | None = None,
+    timeout_s: float = 1800,
+) -> tuple[str, bool]:
+    """Build a task's image from its Dockerfile and build-context files; cached by content hash.
+    Returns (tag, built). Errors come back as ``ImageBuildError`` with the failing step's log."""
+    import docker
+
+    files = files or {}
+    prepared, bases = prepare_dockerfile(client, dockerfile, image_map, ca_bundle)
+    base_ids = [client.images.get(b).id for b in bases]
+    tag = task_image_tag(prepared, files, base_ids, ca_bundle)
+    try:
+        client.images.get(tag)
+        return tag, False
+    except docker.errors.ImageNotFound:
+        pass
+    ctx = _context_tar(prepared, files, ca_bundle)
+    step, step_log, all_log = "", [], []
+    t0 = time.monotonic()
+    try:
+        for chunk in client.api.build(fileobj=ctx, custom_context=True, tag=tag, rm=True, forcerm=True,
+                                      decode=True, labels={"jaxrl_term.task_image": "1"}):
+            text = chunk.get("stream", "")
+            if text.startswith("Step "):
+                step, step_log = text.strip(), []
+            elif text:
+                step_log.append(text)
+            all_log.append(text)
+            if "error" in chunk:
+                raise ImageBuildError(f"docker build failed: {chunk['error'].strip()}", step,
+                                      "".join(step_log)[-4000:])
+            if time.monotonic() - t0 > timeout_s:
+                raise ImageBuildError(f"docker build exceeded {timeout_s:.0f}s", step, "".join(step_log)[-4000:])
+    except docker.errors.APIError as e:
+        raise ImageBuildError(f"docker build failed: {e.explanation or e}", step, "".join(step_log)[-4000:]) from e
+    return tag, True
+
+
+class ImageBuilder:
+    """Async, de-duplicated task image builds: concurrent requests for one image build it once."""
+
+    def __init__(self, image_map: Sequence[tuple[str, str]] = DEFAULT_IMAGE_MAP, ca_bundle: str | None = "auto",
+                 max_parallel_builds: int = 2):
+        import asyncio
+
+        self.image_map = tuple(tuple(x) for x in image_map)
+        self.ca_bundle = resolve_ca_bundle(ca_bundle)
+        self._locks: dict[str, "asyncio.Lock"] = {}
+        self._sem = asyncio.Semaphore(max_parallel_builds)
+        self.built = 0  # images actually built (not found in the cache)
+
+    async def ensure(self, dockerfile: str, files: ContextFiles | None = None, timeout_s: float = 1800) -> str:
+        import asyncio
+
+        key = hashlib.sha256(dockerfile.encode() + repr(sorted((files or {}).items())).encode()).hexdigest()
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock, self._sem:
+            client = docker_client()
+            tag, built = await asyncio.to_thread(build_task_image, client, dockerfile, files,
+                                                 image_map=self.image_map, ca_bundle=self.ca_bundle,
+                                                 timeout_s=timeout_s)
+            self.built += int(built)
+            return tag
+
+
 def setup(
     images: Sequence[str] = ("trixie", "bookworm"),
     *,
@@ -289,6 +500,7 @@ def setup(
     require: bool = False,
 ) -> bool:
     """Engine + base images. Returns True when Docker is ready; False (with a message) when it cannot be."""
+    ensure_bubblewrap(install)
     try:
         client = ensure_engine(install=install)
     except DockerUnavailable as e:

@@ -1,0 +1,144 @@
+"""The sandbox protocol every backend implements, and ``open_sandbox`` to get one.
+
+Async throughout: hundreds of sandboxes run concurrently from one event loop. A sandbox is cattle: one per
+trajectory, created from an image, removed (with its volumes) on ``close``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (could not start, lost its shell, file transfer failed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CommandResult:
+    output: str  # stdout and stderr merged in order; head + tail when truncated
+    exit_code: int | None  # None when the shell was lost before reporting a status
+    timed_out: bool
+    truncated: bool
+    duration_s: float
+    shell_restarted: bool = False  # the shell had to be replaced: variables and functions are gone
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    pids: int = 512
+    network: bool = False
+    workdir: str = "/app"
+    max_output_bytes: int = 32768  # per command, head + tail
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    async def run(self, command: str, timeout_s: float = 30.0) -> CommandResult: ...
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
+    async def read_file(self, path: str) -> bytes: ...
+    async def upload_dir(self, local_dir: str | os.PathLike, remote_dir: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+BACKENDS = ("docker", "local")
+
+
+@contextlib.asynccontextmanager
+async def open_sandbox(
+    backend: str = "docker",
+    image: str | None = None,
+    *,
+    labels: dict[str, str] | None = None,
+    **limits,
+) -> AsyncIterator[Sandbox]:
+    """``async with open_sandbox("docker", "jaxrl-term/base:trixie", memory_mb=1024) as sb: ...``
+
+    ``limits`` are ``SandboxLimits`` fields. The sandbox is closed (container removed) on exit, also on
+    error or cancellation.
+    """
+    lim = SandboxLimits(**limits)
+    if backend == "docker":
+        from jaxrl_term.sandbox.docker import DockerSandbox
+
+        if not image:
+            raise SandboxError("the docker backend needs an image")
+        sb: Sandbox = await DockerSandbox.create(image, lim, labels=labels)
+    elif backend == "local":
+        from jaxrl_term.sandbox.local import LocalSandbox
+
+        sb = await LocalSandbox.create(lim, image=image)
+    else:
+        raise SandboxError(f"sandbox backend {backend!r}; use one of {BACKENDS}")
+    try:
+        yield sb
+    finally:
+        await sb.close()
+
+
+def tar_directory(local_dir: str | os.PathLike, arcname: str = ".") -> bytes:
+    """A tar archive of ``local_dir`` (modes kept, owner reset to root) for the archive APIs."""
+    import io
+    import tarfile
+
+    local_dir = Path(local_dir)
+    if not local_dir.is_dir():
+        raise SandboxError(f"upload_dir: {local_dir} is not a directory")
+
+    def reset(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(str(local_dir), arcname=arcname, filter=reset)
+    return buf.getvalue()
+
+
+class SandboxPool:
+    """Caps how many sandboxes exist at once; the rest wait in FIFO order.
+
+    ``async with pool.sandbox(image) as sb`` blocks while ``max_concurrent`` are open. Counters tell how
+    many are open, waiting, created and failed to start.
+    """
+
+    def __init__(self, backend: str = "docker", max_concurrent: int = 16, **default_limits):
+        import asyncio
+
+        if max_concurrent < 1:
+            raise ValueError("sandbox.max_concurrent must be >= 1")
+        self.backend, self.max_concurrent, self.default_limits = backend, max_concurrent, default_limits
+        self._sem = asyncio.Semaphore(max_concurrent)
+        self.open = self.waiting = self.created = self.failed = 0
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, image: str | None = None, *, labels: dict[str, str] | None = None, **limits):
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            try:
+                cm = open_sandbox(self.backend, image, labels=labels, **{**self.default_limits, **limits})
+                sb = await cm.__aenter__()
+            except BaseException:
+                self.failed += 1
+                raise
+            self.created += 1
+            self.open += 1
+            try:
+                yield sb
+            finally:
+                self.open -= 1
+                await cm.__aexit__(None, None, None)
+        finally:
+            self._sem.release()
