@@ -88,12 +88,28 @@ class SandboxCfg:
 
 
 @dataclasses.dataclass
+class DataCfg:
+    source: str = "builtin"
+    split: str = "train"
+    n_per_cell: int = 4
+    families: Optional[list[str]] = None
+    difficulties: Optional[list[str]] = None
+    ids: Optional[list[str]] = None
+    exclude_ids: Optional[list[str]] = None
+    limit: Optional[int] = None
+    skip_bad: bool = True
+    seed: int = 0
+    scoring: str = "weighted"
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelCfg = field(default_factory=ModelCfg)
     mesh: MeshCfg = field(default_factory=MeshCfg)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sandbox: SandboxCfg = field(default_factory=SandboxCfg)
+    data: DataCfg = field(default_factory=DataCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"

@@ -39,9 +39,17 @@ class SandboxLimits:
     env: tuple[tuple[str, str], ...] = ()
 
 
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     async def run(self, command: str, timeout_s: float = 30.0) -> CommandResult: ...
+    async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
+                   workdir: str | None = None) -> CommandResult:
+        """A fresh process as root, outside the agent's shell (none of its functions, aliases or variables):
+        what the verifier and set-up steps use."""
+        ...
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
     async def read_file(self, path: str) -> bytes: ...
     async def upload_dir(self, local_dir: str | os.PathLike, remote_dir: str) -> None: ...

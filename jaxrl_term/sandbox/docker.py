@@ -221,6 +221,25 @@ class DockerSandbox:
     async def run(self, command: str, timeout_s: float = 30.0) -> CommandResult:
         return await self.shell.run(command, timeout_s)
 
+    async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
+                   workdir: str | None = None) -> CommandResult:
+        import time as _time
+
+        from jaxrl_term.sandbox.base import CLEAN_PATH
+        from jaxrl_term.sandbox.shell import OutputCapture
+
+        t0 = _time.monotonic()
+        # coreutils `timeout` inside the container: TERM at the deadline, KILL 2 s later, exit status 124.
+        wrapped = ["timeout", "-k", "2", f"{timeout_s:.3f}", *argv]
+        environment = {"PATH": CLEAN_PATH, **(env or {})}
+        res = await _call(self.container.exec_run, wrapped, environment=environment,
+                          workdir=workdir or self.limits.workdir, user="root", demux=False)
+        cap = OutputCapture(self.limits.max_output_bytes)
+        cap.add(res.output or b"")
+        code = res.exit_code
+        timed_out = code in (124, 137) and _time.monotonic() - t0 >= timeout_s * 0.99
+        return CommandResult(cap.text(), code, timed_out, cap.truncated, _time.monotonic() - t0)
+
     def _abs(self, path: str) -> str:
         return path if path.startswith("/") else posixpath.join(self.limits.workdir, path)
 

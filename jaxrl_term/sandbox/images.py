@@ -50,6 +50,7 @@ class BaseImage:
 
 COMMON_PACKAGES = (
     "python3",
+    "python-is-python3",  # `python`, as in the python:3.x images Terminal-Bench tasks are written for
     "python3-pip",
     "python3-venv",
     "python3-pytest",
@@ -134,15 +135,21 @@ def ensure_engine(install: bool = True, wait_s: float = 90.0):
             time.sleep(0.5)
 
 
+def _host_has_pytest() -> bool:
+    return subprocess.run(["/usr/bin/python3", "-c", "import pytest"], capture_output=True).returncode == 0 \
+        if Path("/usr/bin/python3").exists() else False
+
+
 def ensure_bubblewrap(install: bool = True) -> bool:
-    """bwrap for the local sandbox backend (installed as root on Debian when missing)."""
-    if shutil.which("bwrap"):
+    """The local sandbox backend's needs on the host: bwrap, and python3 with pytest, git, tmux for tasks and
+    their verifier (installed as root on Debian when missing)."""
+    if shutil.which("bwrap") and _host_has_pytest() and shutil.which("git"):
         return True
     if install and os.geteuid() == 0 and _is_debian():
         try:
-            _apt_install(["bubblewrap"])
+            _apt_install(["bubblewrap", "python3", "python3-pytest", "git", "tmux", "procps"])
         except subprocess.CalledProcessError as e:
-            print(f"[jaxrl_term] could not install bubblewrap: {e}", file=sys.stderr)
+            print(f"[jaxrl_term] could not install the local backend's packages: {e}", file=sys.stderr)
     ok = shutil.which("bwrap") is not None
     if not ok:
         print("[jaxrl_term] bubblewrap (bwrap) missing: the local sandbox backend is unavailable", file=sys.stderr)
@@ -302,8 +309,8 @@ DEFAULT_IMAGE_MAP: tuple[tuple[str, str], ...] = (
     ("ghcr.io/laude-institute/t-bench/python-3-13*", "jaxrl-term/base:trixie"),
     ("ghcr.io/laude-institute/t-bench/ubuntu-24-04*", "jaxrl-term/base:trixie"),
     ("ghcr.io/laude-institute/t-bench/*", "jaxrl-term/base:trixie"),
-    ("python:3.11*", "jaxrl-term/base:bookworm"),
-    ("python:3*", "jaxrl-term/base:trixie"),
+    ("python:3.13*", "jaxrl-term/base:trixie"),
+    ("python:3*", "jaxrl-term/base:bookworm"),  # older pins have wheels for 3.11, often not for 3.13
     ("ubuntu:*", "jaxrl-term/base:trixie"),
     ("debian:bookworm*", "jaxrl-term/base:bookworm"),
     ("debian:*", "jaxrl-term/base:trixie"),

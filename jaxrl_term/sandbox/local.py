@@ -4,8 +4,8 @@ Isolation is clearly weaker than a container, and it is the host's own system:
 
 - the host's ``/usr`` (and ``/etc``, ``/opt``) bound read-only; the task's Dockerfile is *not* applied,
   so tasks that need packages the host lacks will fail here;
-- a private writable work dir (``limits.workdir``, default ``/app``) and a private ``/tmp``, both host
-  directories removed on ``close``; everything else is read-only;
+- a private writable work dir (``limits.workdir``, default ``/app``), ``/tmp``, and ``/tests``, ``/logs``,
+  ``/solution`` for the verifier and oracle: host directories removed on ``close``; the rest is read-only;
 - new network (loopback only, ``--unshare-net``), pid, ipc and uts namespaces, ``--die-with-parent``;
 - memory is capped per process by ``RLIMIT_AS`` (an allocation fails instead of an OOM kill); there is no
   CPU quota and no pid limit (``RLIMIT_NPROC`` counts the host user's processes, unusable as root).
@@ -22,7 +22,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits
+from jaxrl_term.sandbox.base import CLEAN_PATH, CommandResult, SandboxError, SandboxLimits
 from jaxrl_term.sandbox.shell import PersistentShell
 
 RO_BINDS = ("/usr", "/etc", "/opt")
@@ -90,6 +90,8 @@ class LocalSandbox:
         sb.work.mkdir()
         sb.tmp.mkdir()
         sb.tmp.chmod(0o1777)
+        for _, host in sb._extra_binds():
+            host.mkdir()
         sb.shell = PersistentShell(sb._spawn, sb._signal_command, workdir=limits.workdir,
                                    max_output_bytes=limits.max_output_bytes, env=dict(limits.env))
         try:
@@ -99,7 +101,7 @@ class LocalSandbox:
             raise
         return sb
 
-    def _argv(self) -> list[str]:
+    def _argv(self, command: list[str] | None = None, workdir: str | None = None) -> list[str]:
         wd = self.limits.workdir
         argv = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
                 "--hostname", "sandbox"]
@@ -114,11 +116,49 @@ class LocalSandbox:
                 argv += ["--symlink", os.readlink(host), f"/{d}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{d}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.tmp), "/tmp",
-                 "--bind", str(self.work), wd, "--chdir", wd, "--setenv", "HOME", wd,
-                 "--setenv", "PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                 "bash", "--noprofile", "--norc"]
-        return argv
+        argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.tmp), "/tmp", "--bind", str(self.work), wd]
+        for inside, host in self._extra_binds():
+            argv += ["--bind", str(host), inside]
+        argv += ["--chdir", workdir or wd, "--setenv", "HOME", wd, "--setenv", "PATH", CLEAN_PATH]
+        return argv + (command or ["bash", "--noprofile", "--norc"])
+
+    def _extra_binds(self) -> list[tuple[str, Path]]:
+        """Private writable /tests, /logs and /solution (the verifier's and the oracle's places)."""
+        return [(inside, self.root / inside.strip("/")) for inside in ("/tests", "/logs", "/solution")]
+
+    async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
+                   workdir: str | None = None) -> CommandResult:
+        """A second bwrap over the same private dirs, outside the agent's shell."""
+        import time as _time
+
+        from jaxrl_term.sandbox.shell import OutputCapture
+
+        t0 = _time.monotonic()
+        cmd = self._argv(argv, workdir)
+        for k, v in (env or {}).items():
+            cmd[-len(argv):-len(argv)] = ["--setenv", k, v]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                    start_new_session=True)
+        cap = OutputCapture(self.limits.max_output_bytes)
+        timed_out = False
+
+        async def pump():
+            assert proc.stdout is not None
+            while chunk := await proc.stdout.read(65536):
+                cap.add(chunk)
+            return await proc.wait()
+
+        try:
+            code = await asyncio.wait_for(pump(), timeout_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            code = await proc.wait()
+        return CommandResult(cap.text(), code, timed_out, cap.truncated, _time.monotonic() - t0)
 
     async def _spawn(self) -> ProcessTransport:
         mem = self.limits.memory_mb * 1024 * 1024
@@ -163,13 +203,14 @@ class LocalSandbox:
     def _host_path(self, path: str, *, write: bool) -> Path:
         wd = self.limits.workdir
         p = posixpath.normpath(path if path.startswith("/") else posixpath.join(wd, path))
-        for inside, host in ((wd, self.work), ("/tmp", self.tmp)):
+        for inside, host in ((wd, self.work), ("/tmp", self.tmp), *self._extra_binds()):
             if p == inside or p.startswith(inside.rstrip("/") + "/"):
                 return host / posixpath.relpath(p, inside)
         if not write and any(p == d or p.startswith(d + "/") for d in RO_BINDS):
             return Path(p)
         raise SandboxError(
-            f"{path}: the local sandbox can only {'write' if write else 'read'} under {wd} and /tmp"
+            f"{path}: the local sandbox can only {'write' if write else 'read'} under {wd}, /tmp, /tests, /logs"
+            " and /solution"
             + ("" if write else f" (and read {', '.join(RO_BINDS)})")
         )
 
