@@ -103,6 +103,32 @@ class DataCfg:
 
 
 @dataclasses.dataclass
+class AgentCfg:
+    scaffold: str = "bash"
+    max_turns: int = 30
+    max_tokens_per_turn: int = 2048
+    max_context_tokens: int = 32768
+    command_timeout_s: float = 30.0
+    trajectory_timeout_s: float = 1800.0
+    max_parse_error_turns: int = 3
+    max_actions_per_turn: int = 10
+    max_observation_chars: int = 16000
+    enable_thinking: Optional[bool] = None
+
+    def limits(self):
+        from jaxrl_term.agent.loop import AgentLimits
+
+        return AgentLimits(self.max_turns, self.max_tokens_per_turn, self.max_context_tokens, self.command_timeout_s,
+                           self.trajectory_timeout_s, self.max_parse_error_turns)
+
+    def scaffold_obj(self):
+        from jaxrl_term.agent.actions import make_scaffold
+
+        return make_scaffold(self.scaffold, max_actions_per_turn=self.max_actions_per_turn,
+                             max_observation_chars=self.max_observation_chars, command_timeout_s=self.command_timeout_s)
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelCfg = field(default_factory=ModelCfg)
     mesh: MeshCfg = field(default_factory=MeshCfg)
@@ -110,6 +136,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sandbox: SandboxCfg = field(default_factory=SandboxCfg)
     data: DataCfg = field(default_factory=DataCfg)
+    agent: AgentCfg = field(default_factory=AgentCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"

@@ -11,6 +11,8 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+collect_ignore = ["fixtures"]  # task fixtures carry their own tests: they run inside sandboxes, not here
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -292,3 +292,15 @@ def test_unknown_backend_and_missing_image_fail_clearly(backend):
 async def _open_missing():
     async with open_sandbox("docker", "jaxrl-term/does-not-exist:1"):
         pass
+
+
+def test_user_shell_options_do_not_break_the_framing(backend):
+    async def go(sb):
+        assert (await sb.run("set -e; set -u; set -o pipefail; echo on")).output == "on\n"
+        r = await sb.run("echo still here; echo $-")
+        assert r.output.startswith("still here\n") and "e" in r.output.split("\n")[1]
+        r = await sb.run("false")  # with errexit, a failing command ends the shell, as in a terminal
+        assert r.shell_restarted
+        assert (await sb.run("echo fresh")).output == "fresh\n"
+
+    run(_with(backend, go))

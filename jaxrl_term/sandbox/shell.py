@@ -212,12 +212,19 @@ class PersistentShell:
         tag = f"__JRT_{nonce}"
         if tag in command:
             raise SandboxError("command contains the shell's framing nonce")
+        # The framing lines run with errexit off (a user's `set -e` must not kill the shell on our own
+        # `read`, which returns 1 at the end of the here-document); the user's setting is restored around
+        # their command, so `set -e` keeps its meaning for what they run.
         script = (
+            "__jrt_e=${-//[^e]/}; set +e\n"
             f"IFS= read -r -d '' __jrt_c <<'{tag}_CMD'\n{command}\n{tag}_CMD\n"
             "read -r __jrt_up _ < /proc/uptime; read -r _ _ _ _ __jrt_lp < /proc/loadavg\n"
             f"printf '\\n{tag}_BEGIN_%s_%s_\\n' \"$__jrt_up\" \"$__jrt_lp\"\n"
+            '[ -n "$__jrt_e" ] && set -e\n'
             'eval "$__jrt_c" < /dev/null\n'
-            f"printf '\\n{tag}_END_%s_%s\\n' \"$?\" \"$PWD\"\n"
+            "__jrt_rc=$?; __jrt_e=${-//[^e]/}; set +e\n"
+            f"printf '\\n{tag}_END_%s_%s\\n' \"$__jrt_rc\" \"$PWD\"\n"
+            '[ -n "$__jrt_e" ] && set -e\n'
         )
         t0 = time.monotonic()
         cap = OutputCapture(self.max_output_bytes)

@@ -1,0 +1,73 @@
+"""The rollout engine protocol: token ids in, token ids and fp32 log-probs out.
+
+``SGLangEngine`` (servers on GPU clusters) and ``JaxEngine`` (embedded) implement it; the agent loop and the
+trainer never know which. No JAX here: the agent loop imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = no top-k
+    max_new_tokens: int = 512
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings (matched on decoded text by the engine)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+
+    def replace(self, **kw: Any) -> SamplingParams:
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    output_ids: list[int]  # includes the matched stop token / EOS, exactly as sampled
+    output_logprobs: list[float]  # fp32 log-prob of each output id under the sampling distribution
+    finish_reason: str  # stop | length | abort
+    weight_version: int | None = None
+    matched_stop: int | str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    def __post_init__(self):
+        if len(self.output_ids) != len(self.output_logprobs):
+            raise ValueError(
+                f"engine returned {len(self.output_ids)} ids but {len(self.output_logprobs)} log-probs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r}; expected one of {FINISH_REASONS}")
+
+
+class EngineError(RuntimeError):
+    """The engine could not produce a generation. ``retryable``: an abort, a 5xx or a lost connection."""
+
+    def __init__(self, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
+
+    async def update_weights(self, source: Any, version: int) -> None:
+        """``source``: a directory of HF safetensors (servers) or live params (embedded engine)."""
+        ...
+
+    async def health(self) -> bool: ...
