@@ -129,6 +129,59 @@ class AgentCfg:
 
 
 @dataclasses.dataclass
+class JaxEngineCfg:
+    max_batch: int = 16
+    max_seq_len: int = 8192
+    prefill_chunk: int = 512
+    param_dtype: Optional[str] = None
+    prefix_reuse: bool = True
+
+
+@dataclasses.dataclass
+class ServerCfg:
+    port: int = 30000
+    gpus: Optional[str] = None
+    tp_size: int = 1
+
+
+@dataclasses.dataclass
+class LaunchCfg:
+    enabled: bool = False
+    python: str = "python"
+    module: str = "sglang.launch_server"
+    model_path: Optional[str] = None
+    host: str = "127.0.0.1"
+    servers: list[ServerCfg] = field(default_factory=list)
+    mem_fraction_static: float = 0.7
+    context_length: Optional[int] = None
+    extra_args: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 900.0
+
+
+@dataclasses.dataclass
+class SGLangCfg:
+    urls: list[str] = field(default_factory=list)
+    router: bool = False
+    request_timeout_s: float = 3600.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    pause_mode: str = "in_place"
+    export_dir: Optional[str] = None
+    export_dtype: str = "bfloat16"
+    launch: LaunchCfg = field(default_factory=LaunchCfg)
+
+
+@dataclasses.dataclass
+class RolloutCfg:
+    engine: str = "jax"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    jax: JaxEngineCfg = field(default_factory=JaxEngineCfg)
+    sglang: SGLangCfg = field(default_factory=SGLangCfg)
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelCfg = field(default_factory=ModelCfg)
     mesh: MeshCfg = field(default_factory=MeshCfg)
@@ -137,6 +190,7 @@ class Config:
     sandbox: SandboxCfg = field(default_factory=SandboxCfg)
     data: DataCfg = field(default_factory=DataCfg)
     agent: AgentCfg = field(default_factory=AgentCfg)
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"

@@ -17,7 +17,7 @@ class ScriptedEngine:
         self.outputs: list[list[int]] = []
         self.logprobs: list[list[float]] = []
 
-    async def generate(self, input_ids, sampling):
+    async def generate(self, input_ids, sampling, *, session=None):
         n = len(self.requests)
         self.requests.append(list(input_ids))
         if self.delay_s:

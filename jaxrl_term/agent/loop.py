@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 
 from jaxrl_term.agent.actions import Parsed, Scaffold
 from jaxrl_term.agent.tools import ToolBox
@@ -97,6 +98,7 @@ async def run_episode(
         traj.end_reason, traj.error, traj.duration_s = reason, error, time.monotonic() - t_start
         return traj
 
+    session = f"{task.id}/{uuid.uuid4().hex[:12]}"
     if len(ids) + limits.min_new_tokens > limits.max_context_tokens:
         return end("context_full", f"the prompt alone has {len(ids)} tokens")
     parse_streak = 0
@@ -110,7 +112,7 @@ async def run_episode(
         params = sampling.replace(max_new_tokens=min(limits.max_tokens_per_turn, room), stop_token_ids=stop_ids)
         t0 = time.monotonic()
         try:
-            gen = await asyncio.wait_for(engine.generate(list(ids), params), remaining)
+            gen = await asyncio.wait_for(engine.generate(list(ids), params, session=session), remaining)
         except asyncio.TimeoutError:
             return end("timeout", "the episode's wall-clock limit ran out while the engine was generating")
         except EngineError as e:

@@ -314,6 +314,50 @@ def decoder_layer(
     return shard.constrain(x, ACT)
 
 
+def decoder_layer_cached(
+    x: jax.Array,
+    p: Mapping[str, jax.Array],
+    cos: jax.Array,
+    sin: jax.Array,
+    kc: jax.Array,
+    vc: jax.Array,
+    layer: jax.Array,
+    rows: jax.Array,
+    write_pos: jax.Array,
+    write_ok: jax.Array,
+    attn_len: int,
+    cfg: Qwen3Config,
+    opts: ModelOptions,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``decoder_layer`` for generation. x [B, T, H]: new tokens of cache rows ``rows`` [B] at positions
+    write_pos + t. Their K/V are scattered into the full caches kc / vc [L, R, S, Nkv, D] at (layer, row,
+    position) in place (inputs with ``write_ok`` False write nothing); queries attend to cached positions
+    < ``attn_len`` up to their own."""
+    cd, eps = opts.cdtype, cfg.rms_norm_eps
+    pc = {k: v.astype(cd) for k, v in p.items()}
+    b, t, _ = x.shape
+    h = rms_norm(x, pc["input_layernorm"], eps)
+    q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"])
+    k = jnp.einsum("bth,hnd->btnd", h, pc["k_proj"])
+    v = jnp.einsum("bth,hnd->btnd", h, pc["v_proj"])
+    q = apply_rope(rms_norm(q, pc["q_norm"], eps), cos, sin)
+    k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
+    qpos = write_pos[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    # out-of-range positions are dropped by the scatter: that is how inactive rows write nothing
+    wpos = jnp.where(write_ok[:, None], qpos, kc.shape[2])
+    r2 = jnp.broadcast_to(rows[:, None], (b, t))
+    kc = kc.at[layer, r2, wpos].set(k.astype(kc.dtype), mode="drop")
+    vc = vc.at[layer, r2, wpos].set(v.astype(vc.dtype), mode="drop")
+    keys = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)[rows, :attn_len].astype(cd)
+    vals = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)[rows, :attn_len].astype(cd)
+    mask = jnp.arange(attn_len)[None, None, :] <= qpos[:, :, None]
+    o = dot_attention(q, keys, vals, mask, 1.0 / math.sqrt(cfg.head_dim))
+    x = x + jnp.einsum("btnd,ndh->bth", o, pc["o_proj"])
+    h = rms_norm(x, pc["post_attention_layernorm"], eps)
+    act = jax.nn.silu(jnp.einsum("bth,hi->bti", h, pc["gate_proj"])) * jnp.einsum("bth,hi->bti", h, pc["up_proj"])
+    return x + jnp.einsum("bti,ih->bth", act, pc["down_proj"]), kc, vc
+
+
 class Qwen3(nnx.Module):
     """Qwen3ForCausalLM. ``model(input_ids [B,T] int32, attention_mask [B,T]) -> logits [B,T,V]``."""
 
@@ -418,6 +462,48 @@ class Qwen3(nnx.Module):
 
         _, ys = jax.lax.scan(body, None, (split(hidden), tuple(split(x) for x in xs)))
         return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, n * chunk, *y.shape[3:])[:, :t], ys)
+
+    def forward_cached(
+        self,
+        input_ids: jax.Array,
+        write_pos: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        write_ok: jax.Array | None = None,
+        attn_len: int | None = None,
+        rows: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Run new tokens against a KV cache (prefill chunks and decode steps).
+
+        input_ids: [B, T] for cache rows ``rows`` [B] (default 0..B-1) at positions ``write_pos[b] + t``;
+        k_cache / v_cache: [L, R, S, Nkv, D], updated in place (donate them). Only cache positions < ``attn_len``
+        (static; default S) are attended. Inputs with ``write_ok`` False leave the cache untouched.
+        Returns final-normed hidden [B, T, H] and the caches.
+        """
+        cfg, opts = self.config, self.options
+        b, t = input_ids.shape
+        if write_ok is None:
+            write_ok = jnp.ones((b,), bool)
+        if rows is None:
+            rows = jnp.arange(b)
+        attn_len = attn_len or k_cache.shape[2]
+        positions = write_pos[:, None] + jnp.arange(t)[None, :]
+        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(opts.cdtype)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
+
+        def body(carry, xs):
+            x, kc, vc = carry
+            p, layer = xs
+            return decoder_layer_cached(x, p, cos, sin, kc, vc, layer, rows, write_pos, write_ok, attn_len, cfg,
+                                        opts), None
+
+        layers = jnp.arange(cfg.num_hidden_layers)
+        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (self.layers.stacked(), layers))
+        return rms_norm(x, self.norm[...], cfg.rms_norm_eps), k_cache, v_cache
+
+    def kv_cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim)
 
     def __call__(
         self,

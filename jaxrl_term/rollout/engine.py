@@ -64,7 +64,10 @@ class EngineError(RuntimeError):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams) -> Generation: ...
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *,
+                       session: str | None = None) -> Generation:
+        """``session`` (one per episode) lets multi-server engines keep an episode's turns on one server."""
+        ...
 
     async def update_weights(self, source: Any, version: int) -> None:
         """``source``: a directory of HF safetensors (servers) or live params (embedded engine)."""

@@ -1,0 +1,394 @@
+"""Rollout engines: the embedded JAX engine (against transformers and our trainer's log-probs), the SGLang
+client (against a real jaxrl_term.serve process and against SGLang-format response fixtures), faults."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from helpers import hf_checkpoint
+from jaxrl_term.model.hf import load_pretrained, save_pretrained
+from jaxrl_term.rl.logprobs import sequence_logprobs
+from jaxrl_term.rollout.engine import EngineError, SamplingParams
+from jaxrl_term.rollout.jax_engine import JaxEngine, JaxEngineConfig
+from jaxrl_term.rollout.sglang import SGLangEngine, SGLangLauncher, ServerSpec, parse_generation, request_body
+
+FIX = Path(__file__).parent / "fixtures" / "sglang"
+VOCAB = 1024  # the tiny tokenizer's size
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    d = tmp_path_factory.mktemp("tiny_model")
+    hf = hf_checkpoint(d, rope_theta=10_000.0, vocab_size=VOCAB)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return d, hf
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = JaxEngine(load_pretrained(model_dir[0]), config=JaxEngineConfig(max_batch=16, max_seq_len=512))
+    yield eng
+    eng.close()
+
+
+def prompts(n, seed=0, lo=3, hi=40):
+    rng = np.random.RandomState(seed)
+    return [rng.randint(0, VOCAB, rng.randint(lo, hi)).tolist() for _ in range(n)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# ----------------------------------------------------------------------------------------- embedded engine
+
+
+def test_greedy_decoding_equals_transformers_generate(model_dir, engine):
+    _, hf = model_dir
+    for p in prompts(3, seed=1):
+        g = run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=24)))
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)[0, len(p):].tolist()
+        assert g.output_ids == ref and g.finish_reason == "length"
+
+
+def test_sampled_log_probs_equal_the_trainers_recomputation(model_dir, engine):
+    model = load_pretrained(model_dir[0])
+
+    async def go():
+        return await asyncio.gather(*(engine.generate(p, SamplingParams(temperature=1.0, max_new_tokens=32, seed=i))
+                                      for i, p in enumerate(prompts(6, seed=2))))
+
+    gens = run(go())
+    seqs = [p + g.output_ids for p, g in zip(prompts(6, seed=2), gens)]
+    width = max(map(len, seqs))
+    ids = np.zeros((len(seqs), width), np.int32)
+    mask = np.zeros((len(seqs), width), np.int32)
+    for k, s in enumerate(seqs):  # right-padded: one compiled program for all six
+        ids[k, : len(s)], mask[k, : len(s)] = s, 1
+    logp, _ = sequence_logprobs(model, jnp.asarray(ids), jnp.asarray(mask), temperature=1.0)
+    for k, (p, g) in enumerate(zip(prompts(6, seed=2), gens)):
+        trainer = np.asarray(logp[k, len(p): len(seqs[k])])
+        assert np.abs(trainer - np.asarray(g.output_logprobs)).max() <= 1e-4
+        assert all(np.isfinite(g.output_logprobs)) and g.output_logprobs != [0.0] * len(g.output_logprobs)
+
+
+def test_continuous_batching_of_32_requests_is_correct_and_faster(engine):
+    ps = prompts(32, seed=3, lo=2, hi=60)
+    sps = [SamplingParams(temperature=0, max_new_tokens=8 + (i % 5) * 6) for i in range(32)]
+
+    async def sequential():
+        return [await engine.generate(p, s) for p, s in zip(ps, sps)]
+
+    async def concurrent():
+        return await asyncio.gather(*(engine.generate(p, s) for p, s in zip(ps, sps)))
+
+    run(sequential())  # compile every shape bucket (batch sizes, lengths) once
+    run(concurrent())
+    t0 = time.monotonic()
+    seq = run(sequential())
+    t_seq = time.monotonic() - t0
+    t0 = time.monotonic()
+    con = run(concurrent())
+    t_con = time.monotonic() - t0
+    for a, b, s in zip(seq, con, sps):
+        assert a.output_ids == b.output_ids and len(b.output_ids) == s.max_new_tokens
+    assert t_con < 0.6 * t_seq, (t_con, t_seq)
+
+
+def test_prefix_reuse_gives_the_same_tokens(model_dir, engine):
+    p = prompts(1, seed=4)[0]
+    first = run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=10)))
+    follow = p + first.output_ids + prompts(1, seed=5, lo=5, hi=6)[0]
+    again = run(engine.generate(follow, SamplingParams(temperature=0, max_new_tokens=10)))
+    assert again.cached_tokens >= len(p)
+    cold = JaxEngine(load_pretrained(model_dir[0]), config=JaxEngineConfig(max_batch=2, max_seq_len=512,
+                                                                            prefix_reuse=False))
+    try:
+        ref = run(cold.generate(follow, SamplingParams(temperature=0, max_new_tokens=10)))
+    finally:
+        cold.close()
+    assert again.output_ids == ref.output_ids and ref.cached_tokens == 0
+
+
+def test_seeded_sampling_does_not_depend_on_batching_and_params_behave(engine):
+    p = prompts(1, seed=6)[0]
+    sp = SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=12, seed=1234)
+    alone = run(engine.generate(p, sp))
+
+    async def crowd():
+        others = [engine.generate(q, SamplingParams(temperature=1.0, max_new_tokens=20)) for q in prompts(7, seed=7)]
+        res = await asyncio.gather(engine.generate(p, sp), *others)
+        return res[0]
+
+    assert run(crowd()).output_ids == alone.output_ids
+    greedy = run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=12)))
+    top1 = run(engine.generate(p, SamplingParams(temperature=1.3, top_k=1, max_new_tokens=12, seed=9)))
+    assert top1.output_ids == greedy.output_ids
+    stop_at = greedy.output_ids[3]
+    stopped = run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop_at,))))
+    assert stopped.finish_reason == "stop" and stopped.output_ids == greedy.output_ids[: greedy.output_ids.index(stop_at) + 1]
+    assert stopped.matched_stop == stop_at
+
+
+def test_update_weights_from_live_params_and_a_bad_update_keeps_the_old(model_dir, engine):
+    p = prompts(1, seed=8)[0]
+    before = run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8)))
+    model = load_pretrained(model_dir[0])
+    params = nnx.to_pure_dict(nnx.state(model))
+    params["lm_head"] = params["lm_head"] * -1.0
+    run(engine.update_weights(params, 11))
+    after = run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8)))
+    assert after.weight_version == 11 and after.output_ids != before.output_ids
+    with pytest.raises(EngineError, match="structure"):
+        run(engine.update_weights({"embed_tokens": params["embed_tokens"]}, 12))
+    with pytest.raises(EngineError, match="keeps serving"):
+        run(engine.update_weights("/nonexistent/model/dir", 13))
+    assert run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8))).weight_version == 11
+    run(engine.update_weights(nnx.to_pure_dict(nnx.state(model)), 14))  # restore for the other tests
+    assert run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8))).output_ids == before.output_ids
+
+
+# ------------------------------------------------------------------------------ SGLang client vs our server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launcher(model_dir, tmp_path_factory):
+    lau = SGLangLauncher(str(model_dir[0]), [ServerSpec(free_port())], python=sys.executable,
+                         module="jaxrl_term.serve", extra_args=["--max-running-requests", "8", "--context-length", "512"],
+                         log_dir=str(tmp_path_factory.mktemp("serve_logs")))
+    lau.start()
+    try:
+        run(lau.wait_ready(180))
+        yield lau
+    finally:
+        lau.stop()
+        assert all(p.poll() is not None for p in lau.procs) or not lau.procs
+
+
+def client(launcher, **kw) -> SGLangEngine:
+    return SGLangEngine(launcher.urls, **kw)
+
+
+def test_sglang_client_token_in_token_out_against_our_server(launcher, model_dir, tiny_tokenizer_dir):
+    from jaxrl_term.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    _, hf = model_dir
+    p = tok("ls -la /app", add_special_tokens=False)["input_ids"]
+
+    async def go():
+        c = client(launcher)
+        try:
+            g = await c.generate(p, SamplingParams(temperature=0, max_new_tokens=16), session="ep-1")
+            stop_id = g.output_ids[5]
+            s = await c.generate(p, SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=(stop_id,)))
+            batch = await c.generate_batch([p, p[:3]], SamplingParams(temperature=0, max_new_tokens=6))
+            raw = (await c.client.post(launcher.urls[0] + "/generate", json={"input_ids": p, "sampling_params": {
+                "max_new_tokens": 4, "temperature": 0}, "return_logprob": True})).json()
+            return g, s, batch, raw
+        finally:
+            await c.aclose()
+
+    g, s, batch, raw = run(go())
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                          eos_token_id=None)[0, len(p):].tolist()
+    assert g.output_ids == ref and len(g.output_logprobs) == 16 and g.weight_version == 0
+    assert s.finish_reason == "stop" and s.output_ids == ref[: ref.index(ref[5]) + 1] and s.matched_stop == ref[5]
+    assert batch[0].output_ids == ref[:6] and len(batch) == 2
+    # the server speaks SGLang's shape
+    assert set(raw) == {"text", "output_ids", "meta_info"} and raw["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                                  "length": 4}
+    assert [x[1] for x in raw["meta_info"]["output_token_logprobs"]] == raw["output_ids"]
+
+
+def test_weight_sync_pause_continue_and_a_failed_update(launcher, model_dir, tmp_path):
+    d, _ = model_dir
+    model = load_pretrained(d)
+    params = nnx.state(model)
+    params["lm_head"].set_value(params["lm_head"][...] * -1.0)
+    nnx.update(model, params)
+    save_pretrained(model, tmp_path / "v5", dtype="float32")
+    p = prompts(1, seed=9)[0]
+
+    async def go():
+        c = client(launcher, max_retries=0)
+        try:
+            before = await c.generate(p, SamplingParams(temperature=0, max_new_tokens=8))
+            await c.update_weights(tmp_path / "v5", 5)
+            info = await c.model_info()
+            after = await c.generate(p, SamplingParams(temperature=0, max_new_tokens=8))
+            # pause in place: a request waits until continue
+            await c.client.post(launcher.urls[0] + "/pause_generation", json={"mode": "in_place"})
+            task = asyncio.create_task(c.generate(p, SamplingParams(temperature=0, max_new_tokens=8)))
+            await asyncio.sleep(1.0)
+            waited = not task.done()
+            await c.client.post(launcher.urls[0] + "/continue_generation", json={})
+            resumed = await asyncio.wait_for(task, 60)
+            with pytest.raises(EngineError, match="failed on 1 server"):
+                await c.update_weights(tmp_path / "missing", 6)
+            info_after_fail = await c.model_info()
+            still = await c.generate(p, SamplingParams(temperature=0, max_new_tokens=8))
+            await c.update_weights(d, 7)  # back to the original weights
+            return before, info, after, waited, resumed, info_after_fail, still
+        finally:
+            await c.aclose()
+
+    before, info, after, waited, resumed, info_fail, still = run(go())
+    assert info["weight_version"] == "5" and after.weight_version == 5 and after.output_ids != before.output_ids
+    assert waited and resumed.output_ids == after.output_ids
+    assert info_fail["weight_version"] == "5" and still.weight_version == 5 and still.output_ids == after.output_ids
+
+
+def test_server_killed_mid_request_raises_a_retryable_error(model_dir, tmp_path):
+    lau = SGLangLauncher(str(model_dir[0]), [ServerSpec(free_port())], python=sys.executable,
+                         module="jaxrl_term.serve", extra_args=["--context-length", "2048"], log_dir=str(tmp_path))
+    lau.start()
+    try:
+        run(lau.wait_ready(180))
+
+        async def go():
+            c = SGLangEngine(lau.urls, max_retries=1, backoff_s=0.1)
+            try:
+                req = asyncio.create_task(c.generate(prompts(1)[0], SamplingParams(temperature=1.0, max_new_tokens=2000)))
+                await asyncio.sleep(0.5)
+                os.killpg(lau.procs[0].pid, signal.SIGKILL)  # dies mid-request, no graceful shutdown
+                t0 = time.monotonic()
+                with pytest.raises(EngineError) as e:
+                    await asyncio.wait_for(req, 30)
+                return e.value, time.monotonic() - t0
+            finally:
+                await c.aclose()
+
+        err, waited = run(go())
+        assert err.retryable and waited < 15
+    finally:
+        lau.stop(timeout_s=5)
+
+
+# ---------------------------------------------------------------------------- SGLang 0.5 response fixtures
+
+
+def _fixture_client(name: str, seen: list) -> SGLangEngine:
+    body = json.loads((FIX / name).read_text())
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=body)
+
+    return SGLangEngine(["http://sglang:30000"], transport=httpx.MockTransport(handler))
+
+
+def test_client_parses_sglang_response_fixtures():
+    seen: list = []
+
+    async def go(name, batch=False):
+        c = _fixture_client(name, seen)
+        try:
+            sp = SamplingParams(temperature=0.7, max_new_tokens=64, stop_token_ids=(151645,), stop=("```\n",), seed=3)
+            return await (c.generate_batch([[1, 2], [3]], sp) if batch else c.generate([1, 2, 3], sp))
+        finally:
+            await c.aclose()
+
+    g = run(go("stop_by_id.json"))
+    assert g.output_ids == [4730, 481, 4260, 198, 151645] and g.output_logprobs[2] == -1.25
+    assert g.finish_reason == "stop" and g.matched_stop == 151645 and g.weight_version == 3 and g.cached_tokens == 48
+    g = run(go("stop_by_string.json"))
+    assert g.finish_reason == "stop" and g.matched_stop == "```\n" and len(g.output_ids) == 14
+    g = run(go("length.json"))
+    assert g.finish_reason == "length" and g.output_logprobs == [-1.0, -2.0, -3.0, -4.0] and g.matched_stop is None
+    with pytest.raises(EngineError, match="aborted") as e:
+        run(go("abort.json"))
+    assert e.value.retryable
+    a, b = run(go("batched.json", batch=True))
+    assert a.finish_reason == "stop" and b.finish_reason == "length"
+    # every request carries what token-in/token-out needs
+    req = seen[0]
+    assert req["input_ids"] == [1, 2, 3] and req["return_logprob"] is True
+    sp = req["sampling_params"]
+    assert sp["max_new_tokens"] == 64 and sp["stop_token_ids"] == [151645] and sp["stop"] == ["```\n"]
+    assert sp["sampling_seed"] == 3 and sp["temperature"] == 0.7
+    assert seen[-1]["input_ids"] == [[1, 2], [3]]
+
+
+def test_inconsistent_or_incomplete_responses_are_errors():
+    good = json.loads((FIX / "length.json").read_text())
+    bad = json.loads(json.dumps(good))
+    bad["output_ids"] = [1, 2, 3, 4]
+    with pytest.raises(EngineError, match="disagree"):
+        parse_generation(bad)
+    del good["meta_info"]["output_token_logprobs"]
+    with pytest.raises(EngineError, match="output_token_logprobs"):
+        parse_generation(good)
+    body = request_body([5], SamplingParams(max_new_tokens=7))
+    assert body["sampling_params"]["max_new_tokens"] == 7 and "sampling_seed" not in body["sampling_params"]
+
+
+def test_5xx_is_retried_then_reported_and_4xx_is_not_retried():
+    calls = {"n": 0}
+
+    def flaky(request):
+        calls["n"] += 1
+        if calls["n"] < 3:
+            return httpx.Response(503, text="busy")
+        return httpx.Response(200, json=json.loads((FIX / "length.json").read_text()))
+
+    async def go(handler, retries):
+        c = SGLangEngine(["http://s:1"], transport=httpx.MockTransport(handler), max_retries=retries, backoff_s=0.01)
+        try:
+            return await c.generate([1], SamplingParams(max_new_tokens=4))
+        finally:
+            await c.aclose()
+
+    assert run(go(flaky, 3)).finish_reason == "length" and calls["n"] == 3
+    with pytest.raises(EngineError, match="HTTP 400") as e:
+        run(go(lambda r: httpx.Response(400, json={"error": {"message": "bad"}}), 3))
+    assert not e.value.retryable
+    with pytest.raises(EngineError, match="after 2 attempts") as e:
+        run(go(lambda r: httpx.Response(502, text="bad gateway"), 1))
+    assert e.value.retryable
+
+
+def test_sessions_stick_to_a_server_and_new_ones_spread():
+    hits: list[str] = []
+
+    async def handler(request):  # a request takes a moment, as a real one does
+        hits.append(request.url.host)
+        await asyncio.sleep(0.01)
+        return httpx.Response(200, json=json.loads((FIX / "length.json").read_text()))
+
+    async def go():
+        c = SGLangEngine(["http://a:1", "http://b:1"], transport=httpx.MockTransport(handler))
+        try:
+            for turn in range(3):
+                await asyncio.gather(c.generate([1], SamplingParams(), session="x"),
+                                     c.generate([1], SamplingParams(), session="y"))
+        finally:
+            await c.aclose()
+
+    run(go())
+    assert len(set(hits[0::2])) == 1 and len(set(hits[1::2])) == 1 and set(hits) == {"a", "b"}
