@@ -26,7 +26,7 @@ sandbox: setup
 	$(BIN)/python -m jaxrl_term.sandbox.images setup $$( [ "$${CI:-}" = true ] && echo --require )
 
 train: sandbox
-	$(BIN)/python -m jaxrl_term.train $(ARGS)
+	$(BIN)/python -m jaxrl_term.train +experiment=tiny_cpu $(ARGS)
 
 test: sandbox
 	$(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)

@@ -32,6 +32,7 @@ class ModelCfg:
     name: str = "tiny"
     # An HF directory to load (config.json + safetensors); null = random init from the numbers below.
     path: Optional[str] = None
+    random_init: bool = False  # with no path: seeded random weights (tiny / benchmark models only)
     # Tokenizer: an HF directory, or `tiny` / `qwen3` to build one offline into cache_dir.
     tokenizer: str = "tiny"
     vocab_size: int = 1024
@@ -89,7 +90,7 @@ class SandboxCfg:
 
 @dataclasses.dataclass
 class DataCfg:
-    source: str = "builtin"
+    source: Optional[str] = "builtin"
     split: str = "train"
     n_per_cell: int = 4
     families: Optional[list[str]] = None
@@ -99,7 +100,6 @@ class DataCfg:
     limit: Optional[int] = None
     skip_bad: bool = True
     seed: int = 0
-    scoring: str = "weighted"
 
 
 @dataclasses.dataclass
@@ -182,6 +182,70 @@ class RolloutCfg:
 
 
 @dataclasses.dataclass
+class RewardCfg:
+    scoring: str = "weighted"  # weighted (TB-RL) | binary (Tmax)
+    tests_weight: float = 1.0
+    judge_weight: float = 0.0
+
+
+@dataclasses.dataclass
+class ClusterCfg:
+    """What the preset is sized for (checked by the tests, printed at start-up)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0 = CPU
+    gpu: str = "cpu"
+    gpu_memory_gb: float = 0.0
+
+
+@dataclasses.dataclass
+class WarmStartCfg:
+    """Supervised fine-tuning on the training tasks' oracle demonstrations before RL (cached)."""
+
+    enabled: bool = False
+    steps: int = 150
+    lr: float = 1e-3
+    batch_size: int = 8
+
+
+@dataclasses.dataclass
+class TrainerCfg:
+    steps: int = 4
+    groups_per_step: int = 2  # tasks per step; each yields algo.group_size trajectories
+    max_off_policy_steps: int = 0  # 0 = synchronous; k = rollouts may lag the policy by k updates
+    max_concurrent_episodes: int = 8
+    max_episode_retries: int = 2
+    drop_zero_variance: bool = True  # active sampling
+    max_filtered_per_step: Optional[int] = None  # then zero-variance groups are used (default 4 x groups)
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 3
+    resume: str = "auto"  # auto (if the run dir has checkpoints) | true | false
+    export_final: bool = True  # write the final policy as an HF directory
+    trajectory_samples: int = 2  # trajectories per step written to trajectories/step_N.jsonl
+    buckets: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536])
+    pack: bool = False
+    log_param_digest: bool = False
+    deterministic_engine: bool = False  # reproducible sampling regardless of batching (slower)
+    warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
+    cluster: ClusterCfg = field(default_factory=ClusterCfg)
+
+
+@dataclasses.dataclass
+class WandbCfg:
+    enabled: bool = False
+    project: str = "jaxrl_term"
+    entity: Optional[str] = None
+    mode: str = "online"
+
+
+@dataclasses.dataclass
+class LoggingCfg:
+    tensorboard: bool = True
+    console: bool = True
+    wandb: WandbCfg = field(default_factory=WandbCfg)
+
+
+@dataclasses.dataclass
 class Config:
     model: ModelCfg = field(default_factory=ModelCfg)
     mesh: MeshCfg = field(default_factory=MeshCfg)
@@ -191,9 +255,35 @@ class Config:
     data: DataCfg = field(default_factory=DataCfg)
     agent: AgentCfg = field(default_factory=AgentCfg)
     rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    reward: RewardCfg = field(default_factory=RewardCfg)
+    trainer: TrainerCfg = field(default_factory=TrainerCfg)
+    logging: LoggingCfg = field(default_factory=LoggingCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+
+
+class ConfigError(ValueError):
+    """A config that composes but cannot run; the message names the key and the fix."""
+
+
+def validate(cfg) -> None:
+    """Checks that need more than types, run before any work starts."""
+    if not cfg.model.path and not cfg.model.random_init:
+        raise ConfigError(f"model.path: give the HF directory of {cfg.model.name} (config.json, safetensors, "
+                          "tokenizer), e.g. model.path=/models/Qwen3-8B; or model.random_init=true")
+    if cfg.data.source in (None, ""):
+        raise ConfigError("data.source: give the tasks (a task directory, a TB-RL .csv, a .parquet or builtin)")
+    if cfg.rollout.engine not in ("jax", "sglang"):
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: use jax or sglang")
+    if cfg.sandbox.backend not in ("docker", "local", "auto"):
+        raise ConfigError(f"sandbox.backend={cfg.sandbox.backend!r}: use docker, local or auto")
+    if cfg.reward.scoring not in ("weighted", "binary"):
+        raise ConfigError(f"reward.scoring={cfg.reward.scoring!r}: use weighted or binary")
+    if cfg.algo.group_size < 2:
+        raise ConfigError("algo.group_size must be >= 2 (advantages are relative to the group)")
+    if cfg.trainer.resume not in ("auto", "true", "false"):
+        raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: use auto, true or false")
 
 
 def register() -> None:

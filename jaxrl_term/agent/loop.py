@@ -109,7 +109,10 @@ async def run_episode(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return end("timeout")
-        params = sampling.replace(max_new_tokens=min(limits.max_tokens_per_turn, room), stop_token_ids=stop_ids)
+        # a seeded episode gives every turn its own seed (the same seed each turn would repeat its randomness)
+        seed = None if sampling.seed is None else (sampling.seed + 1_000_003 * turn) % 2**31
+        params = sampling.replace(max_new_tokens=min(limits.max_tokens_per_turn, room), stop_token_ids=stop_ids,
+                                  seed=seed)
         t0 = time.monotonic()
         try:
             gen = await asyncio.wait_for(engine.generate(list(ids), params, session=session), remaining)
@@ -133,11 +136,14 @@ async def run_episode(
         messages.append(scaffold.assistant_message(text, parsed))
         t1 = time.monotonic()
         results = []
-        for action in parsed.actions:
-            res = await tools.call(action.tool, action.args, time_left_s=deadline - time.monotonic())
-            results.append(res)
-            if res.finished:
-                break
+        try:
+            for action in parsed.actions:
+                res = await tools.call(action.tool, action.args, time_left_s=deadline - time.monotonic())
+                results.append(res)
+                if res.finished:
+                    break
+        except Exception as e:  # noqa: BLE001 - the sandbox itself broke (not the model's doing): invalid
+            return end("sandbox_error", f"{type(e).__name__}: {e}")
         record = TurnRecord(turn, start, len(out), 0, text, [{"tool": a.tool, "args": a.args} for a in parsed.actions],
                             list(parsed.errors),
                             [{"tool": r.tool, "ok": r.ok, "text": r.text, "exit_code": r.exit_code,

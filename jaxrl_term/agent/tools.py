@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from jaxrl_term.sandbox.base import Sandbox, SandboxError
+from jaxrl_term.sandbox.base import Sandbox, SandboxError, SandboxLost
 
 SEARCH_CAP = 100  # lines
 READ_LIMIT = 2000  # lines per read by default
@@ -81,6 +81,8 @@ class ToolBox:
             return await handler(args, time_left_s)
         except ToolError as e:
             return ToolResult(tool, False, f"error: {e}")
+        except SandboxLost:
+            raise  # the sandbox is gone: the episode ends as a sandbox error, not the model's fault
         except SandboxError as e:
             return ToolResult(tool, False, f"sandbox error: {e}")
 

@@ -197,3 +197,10 @@ def _dppo(x, cfg):
     m["masked_frac"] = (1.0 - trust) * mask
     m["ratio"] = _ratio(x["logp"], x["rollout_logp"]) * mask
     return loss, m
+
+
+@register_loss("nll")
+def _nll(x, cfg):
+    """Negative log-likelihood of the masked tokens (supervised warm start on demonstrations)."""
+    mask = x["loss_mask"]
+    return -x["logp"] * mask, {**_common_metrics(x, mask)}

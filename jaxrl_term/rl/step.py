@@ -53,7 +53,7 @@ class AlgoConfig:
     # aggregation and numerics
     aggregation: str = "token-mean"
     norm_len: Optional[int] = None
-    temperature: float = 1.0  # the sampling temperature: trainer log-probs use the same distribution
+    temperature: float = 1.0  # the sampling temperature (the trainer sets it from rollout.temperature)
     microbatches: int = 1
 
     def __post_init__(self):
@@ -171,7 +171,9 @@ class TrainStep:
                 f"{mb.tokens.shape[1]} rows per microbatch do not divide over {shards} data-parallel shards; "
                 f"build the batch with row_multiple={self.algo.microbatches * shards}"
             )
-        return jax.device_put(mb, self.batch_sharding)
+        # every process holds the whole batch: each device takes its slice (multi-host safe)
+        return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.batch_sharding,
+                                                                   lambda idx, x=x: x[idx]), mb)
 
     # -- calls ------------------------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, float]]:

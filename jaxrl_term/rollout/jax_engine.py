@@ -40,6 +40,7 @@ class JaxEngineConfig:
     param_dtype: str | None = None  # engine weights; None = as given
     share_params: bool = False  # use live params as they are (no copy): only when the trainer never donates them
     prefix_reuse: bool = True
+    deterministic: bool = False  # fixed shapes, no prefix reuse: samples independent of batching (slower)
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -134,11 +135,13 @@ class JaxEngine:
 
     # -- weights ----------------------------------------------------------------------------------
     def _prepare(self, params, copy: bool = True):
+        """The engine's own copy (cast to ``param_dtype``), finished before returning: the trainer may donate
+        its buffers in the very next step."""
         dtype = self.cfg.param_dtype
         if dtype is not None:
-            return jax.tree.map(lambda x: x.astype(dtype), params)
+            return jax.block_until_ready(jax.tree.map(lambda x: jnp.asarray(x, dtype).copy(), params))
         if copy and not self.cfg.share_params:
-            return jax.tree.map(jnp.copy, params)
+            return jax.block_until_ready(jax.tree.map(jnp.copy, params))
         return params
 
     async def update_weights(self, source: Any, version: int) -> None:
@@ -268,7 +271,7 @@ class JaxEngine:
     def _admit(self, req: _Request) -> None:
         free = [i for i, r in enumerate(self.slots) if r is None]
         slot, common = free[0], 0
-        if self.cfg.prefix_reuse:
+        if self.cfg.prefix_reuse and not self.cfg.deterministic:
             for i in free:
                 c = _common_prefix(self.slot_cache[i], req.ids)
                 if c > common:
@@ -282,6 +285,8 @@ class JaxEngine:
             chunk = req.ids[pos: pos + self.cfg.prefill_chunk]
             t = _bucket(len(chunk), 16, self.cfg.prefill_chunk)
             attn = _bucket(pos + t, self.cfg.min_bucket, self.cfg.max_seq_len)
+            if self.cfg.deterministic:
+                attn = self.cfg.max_seq_len
             if pos + t > attn:  # the padded chunk must fit in the attended window
                 t = attn - pos
             ids = np.zeros((1, t), np.int32)
@@ -346,13 +351,15 @@ class JaxEngine:
     def _decode_all(self) -> None:
         """One decode step for the active slots, compacted to a power-of-two batch (1, 2, 4, ... max_batch)."""
         live = [i for i, r in enumerate(self.slots) if r is not None]
-        b = _bucket(len(live), 1, self.cfg.max_batch)
+        b = self.cfg.max_batch if self.cfg.deterministic else _bucket(len(live), 1, self.cfg.max_batch)
         tokens, pos = np.zeros(b, np.int32), np.zeros(b, np.int32)
         active, rows = np.zeros(b, bool), np.zeros(b, np.int32)
         for j, i in enumerate(live):
             r = self.slots[i]
             tokens[j], pos[j], active[j], rows[j] = r.out[-1], len(r.ids) + len(r.out) - 1, True, i
         attn = _bucket(int(pos.max()) + 1, self.cfg.min_bucket, self.cfg.max_seq_len)
+        if self.cfg.deterministic:
+            attn = self.cfg.max_seq_len
         logits, self.kc, self.vc = _decode(self.graphdef, self.params, self.kc, self.vc, jnp.asarray(tokens),
                                            jnp.asarray(pos), jnp.asarray(active), jnp.asarray(rows), attn)
         self.stats["decode_steps"] += 1

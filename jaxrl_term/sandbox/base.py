@@ -18,6 +18,10 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (could not start, lost its shell, file transfer failed)."""
 
 
+class SandboxLost(SandboxError):
+    """The sandbox cannot be used any more (its shell cannot be restarted, its container is gone)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CommandResult:
     output: str  # stdout and stderr merged in order; head + tail when truncated

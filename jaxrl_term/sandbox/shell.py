@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
-from jaxrl_term.sandbox.base import CommandResult, SandboxError
+from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLost
 
 # Run out of band (not in the shell), with bash builtins only (no fork per process, so it works even when a
 # fork bomb holds every pid). A process is *new* if its pid is above the namespace's last pid when the
@@ -176,14 +176,17 @@ class PersistentShell:
         self.restarts += 1
         try:
             await self.start()
-        except Exception:
+        except Exception as first:
             # A sandbox that cannot even start a new shell (e.g. every pid taken by a fork bomb): let the
             # backend reset it (the Docker backend restarts the container; files are kept), then retry once.
             if self._recover is None:
-                raise
-            await self.close()
-            await self._recover()
-            await self.start()
+                raise SandboxLost(f"the shell could not be restarted: {first}") from first
+            try:
+                await self.close()
+                await self._recover()
+                await self.start()
+            except Exception as e:
+                raise SandboxLost(f"the sandbox could not be recovered: {e}") from e
 
     # -- reading ----------------------------------------------------------------------------------
     async def _fill(self) -> None:

@@ -1,0 +1,296 @@
+"""The rollout producer: tasks in, scored groups tagged with their policy version out.
+
+Groups are numbered in the order their tasks are drawn (a seeded permutation per epoch, resumable from one
+integer cursor), run as G concurrent episodes each (bounded by ``max_concurrent_episodes``), verified,
+scored, and handed to the trainer *in sequence order* (so a run is reproducible). Invalid episodes (engine
+or sandbox failures) and verifier errors are retried, then the group is dropped; zero-variance groups are
+dropped and more tasks drawn ("active sampling"); every drop is counted.
+
+Staleness: the trainer asks for the batch of step ``t``; a group may serve it only if its policy version
+(the oldest weights any of its turns used) is ``>= t - max_off_policy_steps``. New groups start only when
+the engine's weights are recent enough for the step they will serve, and at most
+``groups_per_step * (1 + max_off_policy_steps)`` are started ahead of the trainer: with 0 the loop is
+synchronous; with k > 0 rollouts for the next steps overlap the update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from jaxrl_term.agent.loop import AgentLimits, run_episode
+from jaxrl_term.agent.trajectory import Trajectory
+from jaxrl_term.reward.verifier import verify
+from jaxrl_term.rollout.engine import RolloutEngine, SamplingParams
+from jaxrl_term.tasks.env import open_task_sandbox
+from jaxrl_term.tasks.task import Task
+
+log = logging.getLogger(__name__)
+
+# (task, trajectory, verifier result) -> (reward, reward parts); the default is the verifier's score
+RewardFn = Callable[[Task, Trajectory, Any], Awaitable[tuple[float | None, dict]]]
+
+
+class TaskSampler:
+    """Group ``seq`` -> task: a seeded permutation of the tasks per epoch. The state is one integer."""
+
+    def __init__(self, tasks: Sequence[Task], seed: int = 0):
+        if not tasks:
+            raise ValueError("TaskSampler: no tasks")
+        self.tasks, self.seed = list(tasks), seed
+        self._perms: dict[int, list[int]] = {}
+
+    def task(self, seq: int) -> Task:
+        epoch, i = divmod(seq, len(self.tasks))
+        if epoch not in self._perms:
+            order = list(range(len(self.tasks)))
+            random.Random(f"{self.seed}/{epoch}").shuffle(order)
+            self._perms = {epoch: order}
+        return self.tasks[self._perms[epoch][i]]
+
+
+@dataclasses.dataclass
+class Group:
+    seq: int
+    task: Task
+    trajectories: list[Trajectory]
+    rewards: list[float]
+    version: int  # the oldest policy version used by any turn of any trajectory
+    started: float
+    finished: float
+    error: str | None = None
+
+    @property
+    def zero_variance(self) -> bool:
+        return len(set(self.rewards)) <= 1
+
+
+async def default_reward(task: Task, traj: Trajectory, result) -> tuple[float | None, dict]:
+    return result.score, {"tests": result.score}
+
+
+class RolloutPipeline:
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        *,
+        engine: RolloutEngine,
+        tokenizer,
+        scaffold_factory: Callable[[], Any],
+        group_size: int,
+        groups_per_step: int,
+        sampling: SamplingParams,
+        limits: AgentLimits,
+        backend: str = "docker",
+        builder=None,
+        pool=None,
+        sandbox_limits: dict | None = None,
+        scoring: str = "weighted",
+        reward_fn: RewardFn | None = None,
+        max_concurrent_episodes: int = 16,
+        max_episode_retries: int = 2,
+        drop_zero_variance: bool = True,
+        max_filtered_per_step: int | None = None,
+        max_off_policy_steps: int = 0,
+        enable_thinking: bool | None = None,
+        seed: int = 0,
+        start_seq: int = 0,
+        policy_version: int = 0,
+    ):
+        if group_size < 2:
+            raise ValueError("algo.group_size must be >= 2 for group-relative advantages")
+        self.sampler = TaskSampler(tasks, seed)
+        self.engine, self.tok, self.scaffold_factory = engine, tokenizer, scaffold_factory
+        self.G, self.n = group_size, groups_per_step
+        self.sampling, self.limits = sampling, limits
+        self.backend, self.builder, self.pool = backend, builder, pool
+        self.sandbox_limits = dict(sandbox_limits or {})
+        self.scoring = scoring
+        self.reward_fn = reward_fn or default_reward
+        self.max_retries, self.drop_zero_variance = max_episode_retries, drop_zero_variance
+        self.max_filtered = max_filtered_per_step if max_filtered_per_step is not None else 4 * groups_per_step
+        self.max_off = max_off_policy_steps
+        self.enable_thinking, self.seed = enable_thinking, seed
+        self._episode_sem = asyncio.Semaphore(max_concurrent_episodes)
+        self.next_seq = start_seq  # next group to start
+        self.consumed = start_seq  # next group the trainer takes
+        self.train_step = 0
+        self.collecting = True
+        self.taken = 0
+        self.policy_version = policy_version
+        self._results: dict[int, Group] = {}
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._changed = asyncio.Condition()
+        self._producer: asyncio.Task | None = None
+        self.counters: Counter = Counter()
+        self.end_reasons: Counter = Counter()
+        self._active = 0
+        self._busy_s = 0.0
+        self._busy_mark = time.monotonic()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._producer = asyncio.create_task(self._produce())
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            self._producer.cancel()
+        for t in list(self._tasks.values()):
+            t.cancel()
+        await asyncio.gather(*([self._producer] if self._producer else []), *self._tasks.values(),
+                             return_exceptions=True)
+
+    async def set_policy_version(self, version: int) -> None:
+        self.policy_version = version
+        async with self._changed:
+            self._changed.notify_all()
+
+    def busy_seconds(self) -> float:
+        """Seconds during which at least one episode was running (for the rollout / update overlap)."""
+        now = time.monotonic()
+        return self._busy_s + (now - self._busy_mark if self._active else 0.0)
+
+    def _episode_started(self) -> None:
+        if self._active == 0:
+            self._busy_mark = time.monotonic()
+        self._active += 1
+
+    def _episode_done(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._busy_s += time.monotonic() - self._busy_mark
+
+    # -- producer ---------------------------------------------------------------------------------
+    def _may_start(self) -> bool:
+        """Start a group only if some step it could serve still needs one: with weights of version v, groups
+        may serve steps up to v + max_off; the current step still needs ``n - taken``."""
+        step = self.train_step if self.collecting else self.train_step + 1
+        taken = self.taken if self.collecting else 0
+        budget = self.n * (self.policy_version + self.max_off - step + 1) - taken
+        return self.next_seq - self.consumed < budget
+
+    async def _produce(self) -> None:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(self._may_start)
+            seq = self.next_seq
+            self.next_seq += 1
+            self.counters["groups_started"] += 1
+            self._tasks[seq] = asyncio.create_task(self._run_group(seq))
+
+    async def _run_group(self, seq: int) -> None:
+        task = self.sampler.task(seq)
+        t0 = time.monotonic()
+        try:
+            outcomes = await asyncio.gather(*(self._episode(task, seq, k) for k in range(self.G)))
+            if any(o is None for o in outcomes):
+                group = Group(seq, task, [], [], -1, t0, time.monotonic(), "an episode failed after its retries")
+            else:
+                trajs = [o[0] for o in outcomes]
+                versions = [v for t in trajs for v in t.weight_versions] or [self.policy_version]
+                group = Group(seq, task, trajs, [o[1] for o in outcomes], min(versions), t0, time.monotonic())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a broken group is dropped and counted, the run goes on
+            log.exception("group %d (%s) failed", seq, task.id)
+            group = Group(seq, task, [], [], -1, t0, time.monotonic(), f"{type(e).__name__}: {e}")
+        async with self._changed:
+            self._results[seq] = group
+            self._tasks.pop(seq, None)
+            self._changed.notify_all()
+
+    def _episode_seed(self, seq: int, k: int, attempt: int) -> int:
+        h = hashlib.sha256(f"{self.seed}/{seq}/{k}/{attempt}".encode()).digest()
+        return int.from_bytes(h[:4], "little") % 2**31
+
+    async def _episode(self, task: Task, seq: int, k: int) -> tuple[Trajectory, float] | None:
+        """One episode with retries: (trajectory, reward), or None when every attempt failed."""
+        for attempt in range(self.max_retries + 1):
+            async with self._episode_sem:
+                self._episode_started()
+                try:
+                    res = await self._attempt(task, seq, k, attempt)
+                finally:
+                    self._episode_done()
+            if res is not None:
+                return res
+        self.counters["episodes_failed"] += 1
+        return None
+
+    async def _attempt(self, task: Task, seq: int, k: int, attempt: int):
+        sampling = self.sampling.replace(seed=self._episode_seed(seq, k, attempt))
+        try:
+            async with open_task_sandbox(task, backend=self.backend, builder=self.builder, pool=self.pool,
+                                         labels={"jaxrl_term.group": str(seq)}, **self.sandbox_limits) as sb:
+                traj = await run_episode(task, self.engine, sb, self.tok, self.scaffold_factory(), sampling=sampling,
+                                         limits=self.limits, enable_thinking=self.enable_thinking)
+                self.end_reasons[traj.end_reason] += 1
+                if not traj.valid:
+                    self.counters[f"retry_{traj.end_reason}"] += 1
+                    return None
+                result = await verify(task, sb, scoring=self.scoring)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped
+            log.warning("episode %d/%d of %s failed: %s: %s", seq, k, task.id, type(e).__name__, e)
+            self.counters["retry_sandbox_exception"] += 1
+            return None
+        if not result.ok:
+            self.counters["retry_verifier_error"] += 1
+            return None
+        reward, parts = await self.reward_fn(task, traj, result)
+        if reward is None:
+            self.counters["retry_reward_missing"] += 1
+            return None
+        traj.reward = float(reward)
+        traj.reward_parts = {**parts, "outcome": result.outcome, "tests_passed": result.passed}
+        traj.meta.update(seq=seq, k=k, attempt=attempt, policy_version_started=self.policy_version)
+        self.counters["episodes"] += 1
+        if result.outcome == "test_timeout":
+            self.counters["test_timeouts"] += 1
+        return traj, float(reward)
+
+    # -- consumer ---------------------------------------------------------------------------------
+    async def get_batch(self, step: int) -> list[Group]:
+        """The ``groups_per_step`` groups for training step ``step``, in sequence order."""
+        self.train_step, self.collecting, self.taken = step, True, 0
+        async with self._changed:
+            self._changed.notify_all()
+        out: list[Group] = []
+        filtered = 0
+        while len(out) < self.n:
+            async with self._changed:  # decide under the lock: the producer's budget depends on `taken`
+                await self._changed.wait_for(lambda: self.consumed in self._results)
+                g = self._results.pop(self.consumed)
+                self.consumed += 1
+                if g.error:
+                    self.counters["groups_dropped_errors"] += 1
+                elif g.version < step - self.max_off:
+                    self.counters["groups_stale"] += 1
+                elif self.drop_zero_variance and g.zero_variance and filtered < self.max_filtered:
+                    filtered += 1
+                    self.counters["groups_filtered_zero_variance"] += 1
+                else:
+                    if g.zero_variance:
+                        self.counters["groups_zero_variance_used"] += 1
+                    out.append(g)
+                    self.taken += 1
+                self._changed.notify_all()
+        self.collecting = False
+        async with self._changed:
+            self._changed.notify_all()
+        return out
+
+    def take_counters(self) -> dict[str, int]:
+        out = {f"pipeline/{k}": v for k, v in self.counters.items()}
+        out.update({f"episode/end_{k}": v for k, v in self.end_reasons.items()})
+        self.counters.clear()
+        self.end_reasons.clear()
+        return out

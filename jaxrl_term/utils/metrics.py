@@ -1,0 +1,96 @@
+"""Per-step metrics: JSONL (always), TensorBoard (default), wandb (optional); a rich console line per step;
+sampled trajectories per step as JSONL for inspection."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _scalar(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True, wandb: Mapping | None = None,
+                 console: bool = True, enabled: bool = True, config: Mapping | None = None):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self.console = console and enabled
+        self.path = self.run_dir / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:
+                log.warning("tensorboardX is not installed: TensorBoard logging is off (pip install tensorboardX)")
+        if wandb and wandb.get("enabled"):
+            import wandb as wb  # optional dependency: pip install wandb
+
+            self._wandb = wb.init(project=wandb.get("project", "jaxrl_term"), entity=wandb.get("entity"),
+                                  mode=wandb.get("mode", "online"), config=dict(config or {}),
+                                  dir=str(self.run_dir))
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        if self.console:
+            self._print(step, metrics)
+
+    def _print(self, step: int, m: Mapping[str, Any]) -> None:
+        from rich.console import Console
+
+        keys = [("reward/mean", "reward"), ("reward/pass_rate", "pass"), ("train/loss", "loss"),
+                ("train/grad_norm", "|g|"), ("train/logp_gap_max", "gap"), ("episode/turns_mean", "turns"),
+                ("time/step_s", "step s"), ("time/overlap_frac", "overlap")]
+        parts = [f"[bold]step {step}[/bold]"]
+        for k, short in keys:
+            if k in m and _scalar(m[k]) is not None:
+                parts.append(f"{short} {float(m[k]):.4g}")
+        Console(highlight=False).print("  ".join(parts))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summarize(values: Sequence[float], prefix: str) -> dict[str, float]:
+    if not values:
+        return {}
+    n = len(values)
+    mean = sum(values) / n
+    std = (sum((v - mean) ** 2 for v in values) / n) ** 0.5
+    return {f"{prefix}_mean": mean, f"{prefix}_std": std, f"{prefix}_min": min(values), f"{prefix}_max": max(values)}

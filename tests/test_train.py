@@ -1,0 +1,223 @@
+"""The training program: presets, config errors, an end-to-end tiny run with async rollouts, resume after
+SIGKILL, and faults in the rollout pipeline (real sandboxes; only the LLM is scripted where noted)."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from conftest import REPO
+from jaxrl_term.config import register
+
+PRESETS = ["tiny_cpu", "qwen3_8b_a100x2", "qwen32b_h100x16", "qwen32b_h100", "tmax_qwen3_8b"]
+CLUSTER = PRESETS[1:]
+# a tiny run that needs no warm start: a random policy, short episodes, the local sandbox backend
+QUICK = ["+experiment=tiny_cpu", "trainer.warm_start.enabled=false", "agent.max_turns=2",
+         "agent.max_tokens_per_turn=24", "trainer.groups_per_step=2", "algo.group_size=2", "sandbox.backend=local",
+         "trainer.drop_zero_variance=false", "logging.tensorboard=false", "logging.console=false",
+         "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]"]
+
+
+def compose_preset(name, overrides=()):
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose("config", overrides=[f"+experiment={name}", *overrides])
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_composes(name):
+    cfg = compose_preset(name)
+    assert OmegaConf.to_yaml(cfg)
+    proc = subprocess.run([sys.executable, "-m", "jaxrl_term.train", f"+experiment={name}", "--cfg", "job"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", CLUSTER)
+def test_cluster_presets_fit_their_hardware(name):
+    cfg = compose_preset(name)
+    cl = cfg.trainer.cluster
+    devices = cl.nodes * cl.gpus_per_node
+    shape = cfg.mesh.shape
+    assert shape.data * shape.fsdp * shape.tensor == devices and -1 not in shape.values()
+    heads, kv = cfg.model.num_attention_heads, cfg.model.num_key_value_heads
+    params = (cfg.model.vocab_size * cfg.model.hidden_size * (1 if cfg.model.tie_word_embeddings else 2)
+              + cfg.model.num_hidden_layers * (cfg.model.hidden_size * cfg.model.head_dim * 2 * (heads + kv)
+                                               + 3 * cfg.model.hidden_size * cfg.model.intermediate_size))
+    la = cfg.rollout.sglang.launch
+    assert cfg.rollout.engine == "sglang" and la.enabled and la.servers
+    used: list[int] = []
+    for s in la.servers:
+        gpus = [int(g) for g in s.gpus.split(",")]
+        assert len(gpus) == s.tp_size and all(0 <= g < cl.gpus_per_node for g in gpus)
+        assert kv % s.tp_size == 0 and heads % s.tp_size == 0  # SGLang's tensor parallelism splits the heads
+        weights_gb = params * 2 / s.tp_size / 1e9  # bf16 serving weights per GPU
+        assert weights_gb < cl.gpu_memory_gb * la.mem_fraction_static, (s, weights_gb)
+        used += gpus
+    assert len(used) == len(set(used)) <= cl.gpus_per_node  # servers on one node do not share a GPU
+    # the training shards fit next to the servers: fp32 or bf16 params + Adam moments + grads, per device
+    bytes_per = 4 if cfg.model.options.param_dtype == "float32" else 2
+    train_gb = params * (bytes_per * 3 + 4) / devices / 1e9
+    assert train_gb + max(params * 2 / s.tp_size / 1e9 for s in la.servers) < cl.gpu_memory_gb
+
+
+def _train(args, cwd=REPO, timeout=900, **popen):
+    env = {**os.environ, "XLA_FLAGS": ""}
+    return subprocess.run([sys.executable, "-m", "jaxrl_term.train", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env, **popen)
+
+
+def test_bad_config_fails_before_any_work_naming_the_key(tmp_path):
+    cases = [
+        (["trainer.stepz=3"], "trainer.stepz"),
+        (["trainer.steps=abc"], "full_key: trainer.steps"),
+        (["+experiment=qwen32b_h100"], "model.path"),
+        (["+experiment=tmax_qwen3_8b", "model.path=/m"], "data.source"),
+    ]
+    bad = tmp_path / "conf" / "experiment"
+    bad.mkdir(parents=True)
+    (bad / "broken.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: qwen3_99b\n")
+    cases.append(([f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "+experiment=broken"], "model/qwen3_99b"))
+    for args, needle in cases:
+        t0 = time.monotonic()
+        proc = _train([*args, f"run_dir={tmp_path / 'never'}"], timeout=120)
+        assert proc.returncode != 0 and needle in proc.stdout + proc.stderr, (args, proc.stderr[-1500:])
+        assert time.monotonic() - t0 < 60 and not (tmp_path / "never" / "checkpoints").exists()
+
+
+def test_tiny_run_end_to_end_with_async_rollouts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _train([*QUICK, "trainer.steps=3", "trainer.max_off_policy_steps=1", "trainer.checkpoint_every=1",
+                   f"run_dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if m["step"] >= 0]
+    assert [m["step"] for m in steps] == [0, 1, 2]
+    for m in steps:
+        assert m["batch/version_lag_max"] <= 1  # no batch older than the bound reached the trainer
+        assert {"reward/mean", "train/loss", "train/grad_norm", "time/update_s", "time/rollout_wait_s"} <= set(m)
+        assert m["train/logp_gap_max"] < 1e-3  # engine and trainer score the same distribution
+    assert any(m["time/overlap_s"] > 0 for m in steps)  # rollouts ran during updates
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == "3"
+    sample = json.loads((run_dir / "trajectories" / "step_000002.jsonl").read_text().splitlines()[0])
+    assert sample["token_ids"] and "<|im_start|>assistant" in sample["meta"]["decoded"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoints"] and Path(summary["hf_final"], "config.json").is_file()
+
+
+def test_sigkill_then_resume_continues_with_the_same_tasks_and_params(tmp_path):
+    common = [*QUICK, "trainer.steps=3", "trainer.checkpoint_every=1", "trainer.deterministic_engine=true",
+              "trainer.log_param_digest=true"]
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    a = _train([*common, f"run_dir={a_dir}"])
+    assert a.returncode == 0, a.stderr[-3000:]
+    env = {**os.environ, "XLA_FLAGS": ""}
+    b = subprocess.Popen([sys.executable, "-m", "jaxrl_term.train", *common, f"run_dir={b_dir}"], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt = b_dir / "checkpoints" / "1"
+    deadline = time.monotonic() + 600
+    while not (ckpt.is_dir() and any(ckpt.iterdir())) and b.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # let the asynchronous checkpoint commit
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    steps_before = [json.loads(x)["step"] for x in (b_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 0 in steps_before and 2 not in steps_before  # it really died mid-run
+    b2 = _train([*common, f"run_dir={b_dir}"])
+    assert b2.returncode == 0, b2.stderr[-3000:]
+    am = {m["step"]: m for m in map(json.loads, (a_dir / "metrics.jsonl").read_text().splitlines())}
+    bm = [json.loads(x) for x in (b_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = [m for m in bm if "resume/params_digest" in m]
+    assert resumed, "the restarted run did not resume from a checkpoint"
+    start = resumed[-1]["step"] + 1
+    assert resumed[-1]["resume/params_digest"] == am[start - 1]["params_digest"]  # restored params
+    after = [m for m in bm if m["step"] >= start and "task_ids" in m]
+    assert after[0]["step"] == start and after[0]["task_ids"] == am[start]["task_ids"]  # the same next tasks
+    assert after[0]["params_digest"] == am[start]["params_digest"]  # and the same next update
+
+
+# -------------------------------------------------------------------------------------- pipeline faults
+
+
+class SessionEngine:
+    """Scripted LLM (the only fake): per episode, turn k gets replies[k]; some calls fail."""
+
+    def __init__(self, tokenizer, replies, fail_calls=()):
+        self.tok, self.replies, self.fail = tokenizer, replies, set(fail_calls)
+        self.turns: dict[str, int] = {}
+        self.calls = 0
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(self, ids, sampling, *, session=None):
+        from jaxrl_term.rollout.engine import EngineError, Generation
+
+        self.calls += 1
+        if self.calls in self.fail:
+            raise EngineError("injected: connection reset")
+        k = self.turns.get(session, 0)
+        self.turns[session] = k + 1
+        out = self.tok(self.replies[min(k, len(self.replies) - 1)], add_special_tokens=False)["input_ids"] + [self.eos]
+        return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
+
+
+def test_pipeline_retries_or_drops_failed_episodes_and_goes_on(docker_client, tiny_tokenizer_dir):
+    from dataclasses import replace
+
+    from jaxrl_term.agent.actions import SENTINEL, BashScaffold
+    from jaxrl_term.agent.loop import AgentLimits
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.rollout.engine import SamplingParams
+    from jaxrl_term.rollout.pipeline import RolloutPipeline
+    from jaxrl_term.tasks.builtin import generate
+    from jaxrl_term.tasks.task import FileBlob, Tests
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    good = generate("create_file", "easy", seed=2)
+    broken = replace(generate("create_file", "easy", seed=3),
+                     tests=Tests("pytest", {"test_outputs.py": FileBlob.text("# no tests\n")}, "test_outputs.py"))
+    engine = SessionEngine(tok, ["```bash\nsleep 3; echo working\n```", f"```bash\necho {SENTINEL}\n```"],
+                           fail_calls={2, 5})
+
+    async def main():
+        pipe = RolloutPipeline([good, broken], engine=engine, tokenizer=tok, scaffold_factory=BashScaffold,
+                               group_size=2, groups_per_step=2, sampling=SamplingParams(max_new_tokens=64),
+                               limits=AgentLimits(max_turns=3, max_context_tokens=4096), backend="docker",
+                               max_episode_retries=2, drop_zero_variance=False, max_concurrent_episodes=4)
+        pipe.start()
+
+        async def kill_one_container():  # a sandbox dies mid-episode
+            import docker
+
+            c = docker.from_env()
+            for _ in range(100):
+                running = c.containers.list(filters={"label": "jaxrl_term.group"})
+                if running:
+                    await asyncio.sleep(1.0)
+                    running[0].remove(force=True)
+                    return True
+                await asyncio.sleep(0.1)
+            return False
+
+        killer = asyncio.create_task(kill_one_container())
+        try:
+            batch = await asyncio.wait_for(pipe.get_batch(0), 300)
+        finally:
+            await pipe.stop()
+        return batch, pipe.take_counters(), await killer
+
+    batch, counters, killed = asyncio.run(main())
+    assert killed
+    assert [g.task.id for g in batch] == [good.id, good.id]  # the run went on with the good task
+    assert all(len(g.trajectories) == 2 and g.rewards == [0.0, 0.0] for g in batch)
+    assert counters.get("pipeline/retry_engine_error", 0) >= 1  # engine errors were retried
+    assert counters.get("pipeline/retry_sandbox_error", 0) + counters.get("pipeline/retry_sandbox_exception", 0) >= 1
+    assert counters.get("pipeline/retry_verifier_error", 0) >= 3  # the broken task's verifier, retried ...
+    assert counters.get("pipeline/groups_dropped_errors", 0) >= 1  # ... and its group dropped
