@@ -182,10 +182,51 @@ class RolloutCfg:
 
 
 @dataclasses.dataclass
+class JudgeEndpointCfg:
+    name: str = "judge"
+    base_url: str = "http://127.0.0.1:31000/v1"
+    model: str = "judge"
+    api_key_env: Optional[str] = None
+    timeout_s: float = 60.0
+    max_concurrency: int = 4
+    max_tokens: int = 512
+    temperature: float = 0.0
+
+
+@dataclasses.dataclass
+class JudgeCfg:
+    endpoints: list[JudgeEndpointCfg] = field(default_factory=list)
+    failure_threshold: int = 2
+    cooldown_s: float = 60.0
+    rounds: int = 2
+    backoff_s: float = 2.0
+    cache_size: int = 10000
+    max_transcript_chars: int = 24000
+    max_wait_s: float = 600.0
+
+
+@dataclasses.dataclass
 class RewardCfg:
     scoring: str = "weighted"  # weighted (TB-RL) | binary (Tmax)
     tests_weight: float = 1.0
     judge_weight: float = 0.0
+    on_judge_missing: str = "renormalize"  # renormalize | wait
+    judge: JudgeCfg = field(default_factory=JudgeCfg)
+
+    def mixer(self):
+        """The pipeline's reward function (a ``RewardMixer``, with a ``JudgeClient`` when judged)."""
+        from jaxrl_term.reward.combine import RewardMixer
+
+        judge = None
+        if self.judge_weight > 0:
+            from jaxrl_term.reward.judge import JudgeClient, endpoints_from_config
+
+            j = self.judge
+            judge = JudgeClient(endpoints_from_config([dataclasses.asdict(e) for e in j.endpoints]),
+                                failure_threshold=j.failure_threshold, cooldown_s=j.cooldown_s, rounds=j.rounds,
+                                backoff_s=j.backoff_s, cache_size=j.cache_size,
+                                max_transcript_chars=j.max_transcript_chars)
+        return RewardMixer(self.tests_weight, self.judge_weight, judge, self.on_judge_missing, self.judge.max_wait_s)
 
 
 @dataclasses.dataclass
@@ -280,6 +321,10 @@ def validate(cfg) -> None:
         raise ConfigError(f"sandbox.backend={cfg.sandbox.backend!r}: use docker, local or auto")
     if cfg.reward.scoring not in ("weighted", "binary"):
         raise ConfigError(f"reward.scoring={cfg.reward.scoring!r}: use weighted or binary")
+    if cfg.reward.judge_weight > 0 and not cfg.reward.judge.endpoints:
+        raise ConfigError("reward.judge.endpoints: reward.judge_weight > 0 needs at least one judge endpoint")
+    if cfg.reward.on_judge_missing not in ("renormalize", "wait"):
+        raise ConfigError(f"reward.on_judge_missing={cfg.reward.on_judge_missing!r}: use renormalize or wait")
     if cfg.algo.group_size < 2:
         raise ConfigError("algo.group_size must be >= 2 (advantages are relative to the group)")
     if cfg.trainer.resume not in ("auto", "true", "false"):

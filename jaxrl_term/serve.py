@@ -5,7 +5,8 @@
 client, the launcher and SGLang tooling work against it. Endpoints: ``/generate`` (single and batched),
 ``/update_weights_from_disk``, ``/model_info`` (``/get_model_info``), ``/health``, ``/health_generate``,
 ``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/get_server_info``. Responses have
-SGLang 0.5's shapes.
+SGLang 0.5's shapes. ``/v1/chat/completions`` (OpenAI style, through the chat template) lets it serve as a
+local LLM judge.
 """
 
 from __future__ import annotations
@@ -109,6 +110,29 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         except (EngineError, ValueError, TypeError) as e:
             return err(str(e))
 
+    async def chat_completions(request: Request):
+        """OpenAI-style chat completions through the chat template (e.g. to serve a local LLM judge)."""
+        if tokenizer is None:
+            return err("chat completions need a tokenizer in the model dir (or --tokenizer-path)")
+        body = await request.json()
+        try:
+            text = tokenizer.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            sp = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+                  "max_new_tokens": body.get("max_tokens") or body.get("max_completion_tokens") or 512,
+                  "stop": body.get("stop"), "seed": body.get("seed")}
+            gen = await engine.generate(ids, sampling_from_request(sp, default_stop))
+        except (KeyError, EngineError, ValueError, TypeError) as e:
+            return err(str(e))
+        out = gen.output_ids[:-1] if gen.finish_reason == "stop" and isinstance(gen.matched_stop, int) else gen.output_ids
+        return JSONResponse({
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.get("model", "jaxrl_term"),
+            "choices": [{"index": 0, "finish_reason": "length" if gen.finish_reason == "length" else "stop",
+                         "message": {"role": "assistant", "content": tokenizer.decode(out, skip_special_tokens=True)}}],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen.output_ids),
+                      "total_tokens": len(ids) + len(gen.output_ids)}})
+
     async def update_weights_from_disk(request: Request):
         body = await request.json()
         path = body.get("model_path")
@@ -178,6 +202,7 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         Route("/continue_generation", resume, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
     return Starlette(routes=routes)
 

@@ -282,10 +282,12 @@ class Trainer:
         sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=agent.max_tokens_per_turn)
         self.backend = backend
+        self.reward = OmegaConf.to_object(cfg.reward).mixer()
         return RolloutPipeline(
             tasks, engine=engine, tokenizer=self.tok, scaffold_factory=agent.scaffold_obj,
             group_size=self.algo.group_size, groups_per_step=cfg.trainer.groups_per_step, sampling=sampling,
             limits=agent.limits(), backend=backend, builder=builder, pool=pool, scoring=cfg.reward.scoring,
+            reward_fn=self.reward,
             max_concurrent_episodes=cfg.trainer.max_concurrent_episodes,
             max_episode_retries=cfg.trainer.max_episode_retries, drop_zero_variance=cfg.trainer.drop_zero_variance,
             max_filtered_per_step=cfg.trainer.max_filtered_per_step,
@@ -340,6 +342,15 @@ class Trainer:
             m[f"train/{k}"] = v
         m["train/updates"] = len(hist)
         m.update(pipeline.take_counters())
+        m.update(self.reward.take_stats())
+        judged = [t.reward_parts.get("judge") for t in trajs if "judge" in t.reward_parts]
+        if judged:
+            present = [j for j in judged if j is not None]
+            m["reward/judge_mean"] = float(np.mean(present)) if present else None
+            m["reward/judge_missing"] = len(judged) - len(present)
+        tests = [t.reward_parts.get("tests") for t in trajs if t.reward_parts.get("tests") is not None]
+        if tests:
+            m["reward/tests_mean"] = float(np.mean(tests))
         m.update({f"time/{k}": v for k, v in times.items()})
         m["task_ids"] = [g.task.id for g in groups]
         if self.cfg.trainer.log_param_digest:
@@ -424,6 +435,8 @@ class Trainer:
         finally:
             broadcast_batch(None, lead=True)  # multi-host: tell the other processes to stop
             await pipeline.stop()
+            if self.reward.judge is not None:
+                await self.reward.judge.aclose()
             self.ckpt.close()
             if cfg.rollout.engine == "jax":
                 engine.close()

@@ -209,6 +209,10 @@ def test_sglang_client_token_in_token_out_against_our_server(launcher, model_dir
             batch = await c.generate_batch([p, p[:3]], SamplingParams(temperature=0, max_new_tokens=6))
             raw = (await c.client.post(launcher.urls[0] + "/generate", json={"input_ids": p, "sampling_params": {
                 "max_new_tokens": 4, "temperature": 0}, "return_logprob": True})).json()
+            chat = (await c.client.post(launcher.urls[0] + "/v1/chat/completions", json={
+                "model": "judge", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})).json()
+            assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 5
+            assert isinstance(chat["choices"][0]["message"]["content"], str)
             return g, s, batch, raw
         finally:
             await c.aclose()
