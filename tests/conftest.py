@@ -38,6 +38,18 @@ def docker_client():
     return client
 
 
+@pytest.fixture(params=["docker", "local"])
+def backend(request):
+    """Run a test on both sandbox backends: real Docker containers and real bubblewrap."""
+    if request.param == "docker":
+        request.getfixturevalue("docker_client")
+    else:
+        import shutil
+
+        need(shutil.which("bwrap") is not None, "bubblewrap (bwrap) is not installed")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory):
     from jaxrl_term.model.tokenizer import build_tiny_tokenizer

@@ -29,9 +29,9 @@ WRONG = "echo 'port=1' > /app/app.conf"
 def replies(scaffold: str, script: str) -> list[str]:
     if scaffold == "tbrl":
         body = textwrap.indent(script, "  ")
-        return [f"<think>I'll inspect, then edit. <bash>\ncmd: rm -rf /app\n</bash> is not what I want.</think>\n"
-                f"<todo>\noperations:\n  - action: add\n    content: edit the config\n</todo>\n"
-                f"<bash>\ncmd: cat /app/app.conf\n</bash>",
+        return ["<think>I'll inspect, then edit. <bash>\ncmd: rm -rf /app\n</bash> is not what I want.</think>\n"
+                "<todo>\noperations:\n  - action: add\n    content: edit the config\n</todo>\n"
+                "<bash>\ncmd: cat /app/app.conf\n</bash>",
                 f"<bash>\ncmd: |\n{body}\n</bash>\n<bash>\ncmd: cat /app/app.conf\n</bash>",
                 "<finish>\nmessage: edited and checked\n</finish>"]
     if scaffold == "bash":
@@ -124,8 +124,7 @@ def test_drift_check_finds_no_drift_with_native_tools_and_locates_stripped_reaso
 # ------------------------------------------------------------------------------------------------- limits
 
 
-def test_limits_end_the_episode_with_the_right_reason(backend_local_or_docker, tiny):
-    backend = backend_local_or_docker
+def test_limits_end_the_episode_with_the_right_reason(backend, tiny):
     task = generate("create_file", "easy", seed=1)
     loop_reply = ["```bash\necho still working\n```"]
     traj, _ = episode(task, ScriptedEngine(tiny, loop_reply), tiny, "bash", backend, max_turns=4)
@@ -147,23 +146,14 @@ def test_limits_end_the_episode_with_the_right_reason(backend_local_or_docker, t
     assert traj.end_reason == "timeout"
 
 
-@pytest.fixture(params=["docker", "local"])
-def backend_local_or_docker(request):
-    if request.param == "docker":
-        request.getfixturevalue("docker_client")
-    else:
-        need(shutil.which("bwrap") is not None, "bubblewrap (bwrap) is not installed")
-    return request.param
-
-
 # ---------------------------------------------------------------------------------------------- file tools
 
 
-def test_file_tools_edit_exact_strings_and_leave_files_unchanged_on_error(backend_local_or_docker):
+def test_file_tools_edit_exact_strings_and_leave_files_unchanged_on_error(backend):
     original = 'def greet(name):\n    msg = "Hello, \'%s\'" % name  # ☃\n    return msg\n\nx = 1\nx = 1\n'
 
     async def go():
-        async with open_sandbox(backend_local_or_docker, "jaxrl-term/base:trixie") as sb:
+        async with open_sandbox(backend, "jaxrl-term/base:trixie") as sb:
             tb = ToolBox(sb, workdir="/app")
             await sb.write_file("/app/m.py", original.encode(), 0o755)
             r = await tb.call("file", {"action": "edit", "file_path": "m.py",

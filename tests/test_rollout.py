@@ -7,13 +7,11 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

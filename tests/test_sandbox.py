@@ -3,7 +3,6 @@ plus the limits only Docker can enforce (stated per test)."""
 
 import asyncio
 import os
-import stat
 import subprocess
 import sys
 import time
@@ -14,17 +13,6 @@ from conftest import need
 from jaxrl_term.sandbox.base import Sandbox, SandboxPool, open_sandbox
 
 IMAGE = "jaxrl-term/base:trixie"
-
-
-@pytest.fixture(params=["docker", "local"])
-def backend(request):
-    if request.param == "docker":
-        request.getfixturevalue("docker_client")
-    else:
-        import shutil
-
-        need(shutil.which("bwrap") is not None, "bubblewrap (bwrap) is not installed")
-    return request.param
 
 
 def run(coro):

@@ -3,7 +3,6 @@ timeouts and verifier errors as outcomes of their own."""
 
 import asyncio
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,6 @@ TBRL_SAMPLE = [
     "security-remove-hardcoded-password", "base64-decode-secret-message", "parse-raw-http-request",
     "system-fix-script-permissions", "log-rotation-file-size-management",
 ]
-
-
-@pytest.fixture(params=["docker", "local"])
-def backend(request):
-    if request.param == "docker":
-        request.getfixturevalue("docker_client")
-    else:
-        need(shutil.which("bwrap") is not None, "bubblewrap (bwrap) is not installed")
-    return request.param
 
 
 def run(coro):

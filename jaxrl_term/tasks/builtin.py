@@ -13,7 +13,6 @@ import hashlib
 import json
 import random
 import shlex
-import string
 from collections import Counter
 from collections.abc import Callable
 
