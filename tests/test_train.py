@@ -221,3 +221,10 @@ def test_pipeline_retries_or_drops_failed_episodes_and_goes_on(docker_client, ti
     assert counters.get("pipeline/retry_sandbox_error", 0) + counters.get("pipeline/retry_sandbox_exception", 0) >= 1
     assert counters.get("pipeline/retry_verifier_error", 0) >= 3  # the broken task's verifier, retried ...
     assert counters.get("pipeline/groups_dropped_errors", 0) >= 1  # ... and its group dropped
+
+
+def test_hydra_sweep_runs_each_job_in_its_own_dir(tmp_path):
+    proc = _train(["-m", *QUICK, "algo=grpo,dppo", "trainer.steps=0", f"hydra.sweep.dir={tmp_path}"], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [OmegaConf.load(tmp_path / str(k) / "config.yaml").algo.loss for k in (0, 1)]
+    assert losses == ["ppo_clip", "dppo"]
