@@ -14,7 +14,18 @@ import pytest  # noqa: E402
 collect_ignore = ["fixtures"]  # task fixtures carry their own tests: they run inside sandboxes, not here
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+
+
+def _shared_dir() -> Path:
+    """The project's shared/ folder (datasets, references): beside the checkout, or JAXRL_TERM_SHARED."""
+    candidates = [os.environ.get("JAXRL_TERM_SHARED"), REPO.parent / "shared", Path("/work/shared")]
+    for c in candidates:
+        if c and (Path(c) / "datasets").is_dir():
+            return Path(c)
+    return REPO.parent / "shared"
+
+
+SHARED = _shared_dir()
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
