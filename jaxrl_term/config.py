@@ -21,7 +21,10 @@ class ModelOptionsCfg:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"
-    attention: str = "dot_product_attention"
+    attention: str = "dot_product_attention"  # dot_product_attention | xla | blockwise | cudnn
+    attention_block: int = 512
+    mlp_chunk: int = 0
+    remat_groups: int = 0
     lm_head_fp32: bool = True
     logits_chunk: int = 0
     precision: str = "default"
@@ -150,12 +153,25 @@ class LaunchCfg:
     python: str = "python"
     module: str = "sglang.launch_server"
     model_path: Optional[str] = None
-    host: str = "127.0.0.1"
+    host: str = "0.0.0.0"  # bind address; other nodes' trainer process 0 sends the requests
+    advertise_host: Optional[str] = None  # how others reach this node (default: its FQDN; 127.0.0.1 for loopback)
+    fp32_lm_head: bool = True  # --enable-fp32-lm-head (SGLang >= 0.5.3) when model.options.lm_head_fp32
     servers: list[ServerCfg] = field(default_factory=list)
     mem_fraction_static: float = 0.7
     context_length: Optional[int] = None
     extra_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 900.0
+
+
+@dataclasses.dataclass
+class ColocationCfg:
+    """How launched servers share GPUs with the trainer (see ``rollout.colocation``)."""
+
+    mode: str = "static"  # static | time_share | none
+    sglang_reserve_gb: float = 6.0  # SGLang's memory beyond mem_fraction_static (activations, CUDA graphs)
+    cuda_context_gb: float = 1.0  # per process per GPU
+    released_residual_gb: float = 3.0  # time_share: what a released server still holds
+    trainer_fraction_alone: float = 0.9  # mode none: XLA_PYTHON_CLIENT_MEM_FRACTION
 
 
 @dataclasses.dataclass
@@ -165,10 +181,15 @@ class SGLangCfg:
     request_timeout_s: float = 3600.0
     max_retries: int = 3
     backoff_s: float = 0.5
-    pause_mode: str = "in_place"
+    pause_mode: str = "abort"
+    context_length: Optional[int] = None  # the servers' context; None = learn it from each server
+    abort_retries: int = 3  # a turn aborted by a weight-sync pause is re-sent up to this many times
+    idle_timeout_s: float = 60.0  # abort-mode sync: how long to wait for a server to become idle
     export_dir: Optional[str] = None
+    export_shared: bool = True  # export_dir is on a filesystem every node sees (else every node writes its own)
     export_dtype: str = "bfloat16"
     launch: LaunchCfg = field(default_factory=LaunchCfg)
+    colocation: ColocationCfg = field(default_factory=ColocationCfg)
 
 
 @dataclasses.dataclass
@@ -308,8 +329,35 @@ class ConfigError(ValueError):
     """A config that composes but cannot run; the message names the key and the fix."""
 
 
-def validate(cfg) -> None:
-    """Checks that need more than types, run before any work starts."""
+def validate(cfg, *, need_paths: bool = True) -> None:
+    """Checks that need more than types, run before any work starts. ``need_paths=False`` (the planner)
+    skips what only a real run needs: weights and tasks."""
+    o = cfg.model.options
+    if o.param_dtype != "float32" and cfg.optim.lr < 1e-4:
+        raise ConfigError(
+            f"model.options.param_dtype={o.param_dtype} with optim.lr={cfg.optim.lr:g}: a {o.param_dtype} weight "
+            "has an 8-bit mantissa, so an Adam update of ~lr rounds away unless lr > ~2^-8 of the weight; at "
+            "lr < 1e-4 most weights never change while loss and grad norm look healthy. Use "
+            "model.options.param_dtype=float32 (fp32 master weights, bf16 compute via compute_dtype)")
+    if o.attention == "cudnn" and cfg.trainer.pack:
+        raise ConfigError("model.options.attention=cudnn with trainer.pack=true: cuDNN's fused attention masks by "
+                          "row length only; packed rows need attention=blockwise (or trainer.pack=false)")
+    la = cfg.rollout.sglang.launch
+    if cfg.rollout.engine == "sglang" and la.enabled and la.context_length and \
+            cfg.agent.max_context_tokens > la.context_length:
+        raise ConfigError(f"agent.max_context_tokens={cfg.agent.max_context_tokens} is longer than the servers' "
+                          f"rollout.sglang.launch.context_length={la.context_length}; lower the agent's context or "
+                          "raise the servers'")
+    if cfg.rollout.sglang.colocation.mode == "time_share" and cfg.rollout.engine == "sglang" and la.enabled and \
+            cfg.trainer.max_off_policy_steps > 0:
+        raise ConfigError("rollout.sglang.colocation.mode=time_share with trainer.max_off_policy_steps > 0: servers "
+                          "release their memory during each update, so rollouts cannot overlap it; use "
+                          "colocation.mode=static for asynchronous runs (python -m jaxrl_term.plan sizes both)")
+    if cfg.rollout.sglang.colocation.mode not in ("static", "time_share", "none"):
+        raise ConfigError(f"rollout.sglang.colocation.mode={cfg.rollout.sglang.colocation.mode!r}: use static, "
+                          "time_share or none")
+    if not need_paths:
+        return
     if not cfg.model.path and not cfg.model.random_init:
         raise ConfigError(f"model.path: give the HF directory of {cfg.model.name} (config.json, safetensors, "
                           "tokenizer), e.g. model.path=/models/Qwen3-8B; or model.random_init=true")
@@ -336,10 +384,29 @@ def register() -> None:
     cs.store(name="config_schema", node=Config)
 
 
+def preflight_for_plan(cfg) -> None:
+    """The planner's checks: every config check except those that need weights or data on this machine."""
+    validate(cfg, need_paths=False)
+
+
+def model_arch(cfg):
+    """(Qwen3Config, ModelOptions): the architecture from ``model.path``'s config.json when it exists here,
+    else from the model config group (the planner needs no weights)."""
+    from pathlib import Path
+
+    if cfg.model.path and (Path(cfg.model.path).expanduser() / "config.json").is_file():
+        from jaxrl_term.model.hf import read_config
+
+        _, opts = model_from_cfg(cfg.model)
+        return read_config(Path(cfg.model.path).expanduser()), opts
+    return model_from_cfg(cfg.model)
+
+
 def model_from_cfg(cfg: ModelCfg):
     """(Qwen3Config, ModelOptions) from the model config group."""
     from jaxrl_term.model.qwen3 import ModelOptions, Qwen3Config
 
     arch = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Qwen3Config)}
-    opts = ModelOptions(**{f.name: getattr(cfg.options, f.name) for f in dataclasses.fields(ModelOptions)})
+    opts = ModelOptions(**{f.name: getattr(cfg.options, f.name) for f in dataclasses.fields(ModelOptions)
+                           if hasattr(cfg.options, f.name)})
     return Qwen3Config(**arch), opts

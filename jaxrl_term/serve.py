@@ -1,18 +1,41 @@
-"""The embedded JAX engine behind SGLang's HTTP contract.
+"""The embedded JAX engine behind SGLang's HTTP contract, rules included.
 
 ``python -m jaxrl_term.serve --model-dir DIR [--port P]`` (SGLang's flag names are accepted too:
-``--model-path``, ``--context-length``, ``--max-running-requests``; GPU-only ones are ignored), so the SGLang
-client, the launcher and SGLang tooling work against it. Endpoints: ``/generate`` (single and batched),
-``/update_weights_from_disk``, ``/model_info`` (``/get_model_info``), ``/health``, ``/health_generate``,
-``/pause_generation``, ``/continue_generation``, ``/flush_cache``, ``/get_server_info``. Responses have
-SGLang 0.5's shapes. ``/v1/chat/completions`` (OpenAI style, through the chat template) lets it serve as a
-local LLM judge.
+``--model-path``, ``--context-length``, ``--max-running-requests``, ``--weight-version``,
+``--enable-deterministic-inference``; GPU-only ones are accepted and ignored), so the SGLang client, the
+launcher and SGLang tooling work against it. Responses have SGLang 0.5's shapes. ``/v1/chat/completions``
+(OpenAI style, through the chat template) lets it serve as a local LLM judge.
+
+The point of this server is that our tests catch client bugs that only a real SGLang would show, so it enforces
+SGLang's rules (as read in the released SGLang source, 0.4.6 to 0.5.23):
+
+* ``/generate`` (``TokenizerManager._validate_one_request`` and the scheduler's ``validate_input_length``):
+  400 if the input has ``>= context`` tokens, if ``input + max_new_tokens >= context`` (SGLang <= 0.5.10; ``>``
+  from 0.5.12), or if the input has ``>= max_req_input_len = min(context - 1, pool - 1) - 5`` tokens; otherwise
+  ``max_new_tokens`` is clamped to ``max_req_len - input - 1`` (at most ``context - input - 2`` new tokens).
+* Pause (``/pause_generation {"mode"}``, modes from 0.5.6): ``abort`` ends every request with finish ``abort``
+  before the pause returns; ``in_place`` keeps running requests and their K/V; ``retract`` requeues them and
+  recomputes them after ``/continue_generation``. New ``/generate`` calls wait while paused.
+* ``/update_weights_from_disk``: while not paused it waits for in-flight requests (SGLang's writer lock). With
+  ``flush_cache`` (default true) and requests still running it answers 400 "Weights were updated, but the cache
+  was not flushed ..." as SGLang 0.5.22+ does; SGLang <= 0.5.20 asserts and the whole server dies there.
+  Requests waiting in the queue count as running except while paused (0.5.22+; 0.5.6-0.5.8 ignore them too).
+* ``/health`` and ``/health_generate``: 503 while paused. SGLang's probe is a 1-token generation that blocks on
+  a paused server and gives 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s); we answer at once.
+* ``/release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags"}``: 200 with a ``null`` body;
+  400 if requests are running (SGLang >= 0.5.5 asserts idleness and the server dies). No-ops on CPU.
+
+By default the strictest rule of 0.5.x applies where versions differ (a client that passes works with all of
+them); ``--emulate-sglang-version X`` switches to one version's behaviour: no ``/model_info`` before 0.5.6,
+no pause modes before 0.5.6 (every pause aborts), ``>`` in the token-count check from 0.5.12.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -21,12 +44,76 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from jaxrl_term.rollout.engine import EngineError, SamplingParams
 
 log = logging.getLogger("jaxrl_term.serve")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py (cuda_graph from 0.5.5)
+FLUSH_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+              "requests, the operation will not be performed.)\n")  # SGLang's text for 200 and 400 alike
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Where SGLang versions differ: ``version`` None = the strictest behaviour of 0.5.x."""
+
+    version: tuple[int, ...] | None = None
+
+    def _at_least(self, *v: int) -> bool:
+        return self.version is None or self.version >= v
+
+    @property
+    def model_info_route(self) -> bool:  # /model_info from 0.5.6; /get_model_info in all versions
+        return self._at_least(0, 5, 6)
+
+    @property
+    def weight_version(self) -> bool:  # weight_version in model info and meta_info from 0.5.1
+        return self._at_least(0, 5, 1)
+
+    @property
+    def pause_modes(self) -> bool:
+        return self._at_least(0, 5, 6)
+
+    @property
+    def total_inclusive(self) -> bool:  # input + max_new >= context rejects up to 0.5.10, > from 0.5.12
+        return self.version is None or self.version < (0, 5, 12)
+
+    @property
+    def paused_ignores_waiting(self) -> bool:  # flush idleness ignores the waiting queue while paused
+        v = self.version
+        return v is None or (0, 5, 6) <= v < (0, 5, 10) or v >= (0, 5, 22)
+
+
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    return tuple(int(x) for x in text.split(".")[:3] if x.isdigit())
+
+
+def check_request(n_input: int, max_new: int | None, context: int, max_req_input_len: int,
+                  inclusive: bool = True) -> int:
+    """SGLang's checks on one ``/generate`` request. Returns the clamped ``max_new_tokens``; raises
+    ``ValueError`` with SGLang's message (HTTP 400) when the request is rejected."""
+    if n_input >= context:
+        raise ValueError(f"The input ({n_input} tokens) is longer than the model's context length "
+                         f"({context} tokens).")
+    if max_new is not None:
+        total = n_input + max_new
+        if total >= context if inclusive else total > context:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                f"requested a total of {total} tokens: {n_input} tokens from the input messages and {max_new} "
+                "tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                "completion to fit within the limit.")
+    if n_input >= max_req_input_len:  # the scheduler's check
+        raise ValueError(f"Input length ({n_input} tokens) exceeds the maximum allowed length "
+                         f"({max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
+    max_req_len = max_req_input_len + 5
+    return min(128 if max_new is None else max_new, max_req_len - n_input - 1)  # 128: SGLang's default
 
 
 def sampling_from_request(sp: dict, default_stop_ids: tuple[int, ...]) -> SamplingParams:
@@ -52,26 +139,98 @@ def finish_reason_json(gen) -> dict:
         return {"type": "stop", "matched": gen.matched_stop}
     if gen.finish_reason == "length":
         return {"type": "length", "length": len(gen.output_ids)}
-    return {"type": "abort", "message": "aborted"}
+    return {"type": "abort", "message": "aborted by pause_generation or abort_all_requests"}
 
 
-def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str = "") -> Starlette:
+class Admission:
+    """The tokenizer manager's side of SGLang: the pause gate and the weight-update lock (each request is a
+    reader; an update while not paused is the writer, which waits for in-flight requests and holds new ones)."""
+
+    def __init__(self):
+        self.cond = asyncio.Condition()
+        self.paused = False
+        self.updating = False
+        self.inflight = 0
+
+    @contextlib.asynccontextmanager
+    async def request(self):
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.paused and not self.updating)
+            self.inflight += 1
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.inflight -= 1
+                self.cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writer(self):
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.updating)
+            self.updating = True
+            await self.cond.wait_for(lambda: self.inflight == 0)
+        try:
+            yield
+        finally:
+            async with self.cond:
+                self.updating = False
+                self.cond.notify_all()
+
+    async def set_paused(self, paused: bool) -> None:
+        async with self.cond:
+            self.paused = paused
+            self.cond.notify_all()
+
+    async def drained(self, timeout_s: float) -> None:
+        async with self.cond:
+            await asyncio.wait_for(self.cond.wait_for(lambda: self.inflight == 0), timeout_s)
+
+
+def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str = "", *,
+               rules: Rules | None = None, weight_version: str | None = None, flags: dict | None = None) -> Starlette:
+    rules = rules or Rules()
     default_stop: tuple[int, ...] = ()
     if tokenizer is not None:
         ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         default_stop = tuple(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
-    state = {"model_path": model_path, "paused": False}
+    if weight_version is not None:
+        engine.weight_version = weight_version
+    context = engine.cfg.max_seq_len
+    pool = engine.cfg.max_batch * engine.cfg.max_seq_len  # SGLang's max_total_num_tokens
+    max_req_input_len = min(context - 1, pool - 1) - 5
+    # model_path and weight_version as the tokenizer manager knows them (updated only by a successful update)
+    state = {"model_path": model_path, "weight_version": str(engine.weight_version), "released": set()}
+    adm = Admission()
 
     def err(msg: str, code: int = 400) -> JSONResponse:
         return JSONResponse({"error": {"message": msg}, "object": "error", "message": msg}, status_code=code)
 
+    def idle() -> bool:
+        running, waiting = engine.request_counts()
+        return running == 0 and (waiting == 0 or (adm.paused and rules.paused_ignores_waiting))
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        return (await request.json()) if raw else {}
+
+    async def run_one(ids: list[int], sampling: SamplingParams):
+        if state["released"]:
+            # SGLang would touch freed memory here and crash; refuse so a test sees the client's mistake
+            raise ValueError(f"memory is released ({sorted(state['released'])}): call /resume_memory_occupation")
+        async with adm.request():
+            return await engine.generate(ids, sampling)
+
     async def one(ids, text, sp: dict, rid: str, return_logprob: bool, skip_special: bool) -> dict:
         if ids is None:
             if tokenizer is None or text is None:
-                raise EngineError("give input_ids (no tokenizer loaded for text)", retryable=False)
+                raise ValueError("give input_ids (no tokenizer loaded for text)")
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        max_new = sp.get("max_new_tokens")
+        max_new = check_request(len(ids), None if max_new is None else int(max_new), context, max_req_input_len,
+                                rules.total_inclusive)
         t0 = time.monotonic()
-        gen = await engine.generate(ids, sampling_from_request(sp, default_stop))
+        gen = await run_one(ids, sampling_from_request(sp, default_stop).replace(max_new_tokens=max_new))
         out_text = tokenizer.decode(gen.output_ids, skip_special_tokens=skip_special) if tokenizer else None
         meta = {
             "id": rid,
@@ -79,9 +238,10 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             "prompt_tokens": len(ids),
             "completion_tokens": len(gen.output_ids),
             "cached_tokens": gen.cached_tokens or 0,
-            "weight_version": str(gen.weight_version),
             "e2e_latency": time.monotonic() - t0,
         }
+        if rules.weight_version:
+            meta["weight_version"] = str(gen.weight_version)  # the version when the output was produced
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(gen.output_logprobs, gen.output_ids)]
             meta["input_token_logprobs"] = []
@@ -96,7 +256,7 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             return err("streaming is not supported by jaxrl_term.serve")
         sp = body.get("sampling_params") or {}
         ids, text = body.get("input_ids"), body.get("text")
-        rl, skip = bool(body.get("return_logprob", False)), bool(sp.get("skip_special_tokens", True))
+        rl = bool(body.get("return_logprob", False))
         batched = (isinstance(ids, list) and ids and isinstance(ids[0], list)) or isinstance(text, list)
         try:
             if batched:
@@ -104,9 +264,11 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
                 texts = text if isinstance(text, list) else [None] * len(items)
                 rids = body.get("rid") or [uuid.uuid4().hex for _ in items]
                 sps = sp if isinstance(sp, list) else [sp] * len(items)
-                out = await asyncio.gather(*(one(i, t, s, r, rl, skip) for i, t, s, r in zip(items, texts, sps, rids)))
+                out = await asyncio.gather(*(one(i, t, s, r, rl, bool(s.get("skip_special_tokens", True)))
+                                             for i, t, s, r in zip(items, texts, sps, rids)))
                 return JSONResponse(list(out))
-            return JSONResponse(await one(ids, text, sp, body.get("rid") or uuid.uuid4().hex, rl, skip))
+            return JSONResponse(await one(ids, text, sp, body.get("rid") or uuid.uuid4().hex, rl,
+                                          bool(sp.get("skip_special_tokens", True))))
         except (EngineError, ValueError, TypeError) as e:
             return err(str(e))
 
@@ -121,7 +283,9 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             sp = {"temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
                   "max_new_tokens": body.get("max_tokens") or body.get("max_completion_tokens") or 512,
                   "stop": body.get("stop"), "seed": body.get("seed")}
-            gen = await engine.generate(ids, sampling_from_request(sp, default_stop))
+            max_new = check_request(len(ids), None, context, max_req_input_len)
+            sampling = sampling_from_request(sp, default_stop)
+            gen = await run_one(ids, sampling.replace(max_new_tokens=min(max_new, sampling.max_new_tokens)))
         except (KeyError, EngineError, ValueError, TypeError) as e:
             return err(str(e))
         out = gen.output_ids[:-1] if gen.finish_reason == "stop" and isinstance(gen.matched_stop, int) else gen.output_ids
@@ -134,76 +298,142 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
                       "total_tokens": len(ids) + len(gen.output_ids)}})
 
     async def update_weights_from_disk(request: Request):
-        body = await request.json()
-        path = body.get("model_path")
-        version = body.get("weight_version")
+        """SGLang's ``UpdateWeightFromDiskReqInput``: model_path, load_format, abort_all_requests, weight_version,
+        flush_cache (default true), is_async, torch_empty_cache, keep_pause, recapture_cuda_graph, token_step,
+        manifest (the GPU-only ones are accepted and ignored)."""
+        body = await body_of(request)
+        path, version = body.get("model_path"), body.get("weight_version")
+
+        def fail(msg: str) -> JSONResponse:
+            return JSONResponse({"success": False, "message": msg, "num_paused_requests": 0}, status_code=400)
+
+        if not isinstance(path, str) or not path:
+            return fail("model_path is required")
         if body.get("abort_all_requests"):
-            engine.pause("abort")
-        try:
-            if not path or not Path(path).is_dir():
-                raise EngineError(f"model_path {path!r} is not a directory", retryable=False)
-            await engine.update_weights(path, version if version is not None else engine.weight_version)
-        except EngineError as e:
-            return JSONResponse({"success": False, "message": str(e)}, status_code=400)
-        finally:
-            if body.get("abort_all_requests") and not state["paused"]:
-                engine.resume()
+            await asyncio.to_thread(engine.abort_all)
+        # not paused: the writer lock waits for in-flight requests; paused: the update goes straight in
+        async with (contextlib.nullcontext() if adm.paused else adm.writer()):
+            try:
+                if not Path(path).is_dir():
+                    raise EngineError(f"model_path {path!r} is not a directory", retryable=False)
+                await engine.update_weights(path, version if version is not None else engine.weight_version)
+                while engine.pending_update and await engine.health():
+                    await asyncio.sleep(0.005)
+            except EngineError as e:
+                return fail(str(e))
         state["model_path"] = path
+        if body.get("flush_cache", True) and not idle():
+            # SGLang 0.5.22+ answers this; 0.5.6-0.5.20 assert ("Cache flush failed after updating weights") and
+            # the server dies. The weights are new either way; the tokenizer keeps the old weight_version.
+            log.warning("update_weights_from_disk: cache not flushed, requests running %s", engine.request_counts())
+            return fail(NOT_FLUSHED)
+        if version is not None:
+            state["weight_version"] = str(version)
         return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
                              "num_paused_requests": 0})
 
     async def model_info(request: Request):
-        return JSONResponse({"model_path": state["model_path"], "tokenizer_path": tokenizer_path,
-                             "is_generation": True, "weight_version": str(engine.weight_version),
-                             "preferred_sampling_params": None})
+        info = {"model_path": state["model_path"], "tokenizer_path": tokenizer_path, "is_generation": True,
+                "preferred_sampling_params": None}
+        if rules.weight_version:
+            info["weight_version"] = state["weight_version"]
+        return JSONResponse(info)
 
     async def health(request: Request):
+        if adm.paused:
+            return err("generation is paused", 503)
         return JSONResponse({}) if await engine.health() else err("engine is not running", 503)
 
     async def health_generate(request: Request):
-        if state["paused"]:
-            return JSONResponse({})
+        if adm.paused or state["released"]:
+            return err("generation is paused" if adm.paused else "memory is released", 503)
         try:
-            await asyncio.wait_for(engine.generate([default_stop[0] if default_stop else 0],
-                                                   SamplingParams(max_new_tokens=1, temperature=0)), 60)
+            probe = SamplingParams(max_new_tokens=1, temperature=0)
+            await asyncio.wait_for(run_one([default_stop[0] if default_stop else 0], probe), 20)
             return JSONResponse({})
         except Exception as e:  # noqa: BLE001 - any failure means "not ready"
             return err(f"generation failed: {e}", 503)
 
     async def pause(request: Request):
-        body = await request.json() if await request.body() else {}
-        engine.pause(body.get("mode", "abort"))
-        state["paused"] = True
-        return JSONResponse({"success": True})
+        mode = (await body_of(request)).get("mode", "abort")
+        if not rules.pause_modes:
+            mode = "abort"  # before 0.5.6 the body is ignored and every pause aborts
+        if mode not in ("abort", "in_place", "retract"):
+            return err(f"unknown pause mode {mode!r}")
+        await adm.set_paused(True)
+        await asyncio.to_thread(engine.pause, mode)
+        if mode == "abort":
+            await adm.drained(60)  # SGLang returns once every aborted request has left
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(request: Request):
         engine.resume()
-        state["paused"] = False
-        return JSONResponse({"success": True})
+        await adm.set_paused(False)
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(request: Request):
-        if any(engine.slots):
-            return JSONResponse({"success": False, "message": "requests are running"}, status_code=400)
+        if not idle():
+            return PlainTextResponse(FLUSH_TEXT, status_code=400)
         engine.slot_cache = [[] for _ in engine.slot_cache]
-        return JSONResponse({"success": True})
+        return PlainTextResponse(FLUSH_TEXT)
+
+    async def memory_tags(request: Request) -> list[str]:
+        tags = (await body_of(request)).get("tags") or list(MEMORY_TAGS)  # None or []: all
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"unknown memory tags {bad}; SGLang knows {list(MEMORY_TAGS)}")
+        return tags
+
+    async def release_memory(request: Request):
+        try:
+            tags = await memory_tags(request)
+        except ValueError as e:
+            return err(str(e))
+        if not idle():  # SGLang >= 0.5.5 asserts this and the server dies
+            return err("release_memory_occupation should be called only when server is idle.")
+        state["released"] |= set(tags)
+        return JSONResponse(None)
+
+    async def resume_memory(request: Request):
+        try:
+            tags = await memory_tags(request)
+        except ValueError as e:
+            return err(str(e))
+        state["released"] -= set(tags)
+        return JSONResponse(None)
 
     async def server_info(request: Request):
-        return JSONResponse({"version": "jaxrl_term", "engine": "jax", "max_batch": engine.cfg.max_batch,
-                             "context_length": engine.cfg.max_seq_len, "stats": engine.stats})
+        running, waiting = engine.request_counts()
+        return JSONResponse({
+            "model_path": state["model_path"], "context_length": context, "max_total_num_tokens": pool,
+            "max_req_input_len": max_req_input_len, "max_running_requests": engine.cfg.max_batch,
+            "weight_version": state["weight_version"], **(flags or {}), "status": "ready",
+            "internal_states": [{"running": running, "waiting": waiting}],
+            "version": "jaxrl_term" + (f" (sglang {'.'.join(map(str, rules.version))})" if rules.version else ""),
+            "engine": "jax", "max_batch": engine.cfg.max_batch, "stats": engine.stats})
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": state["model_path"], "object": "model",
+                                                         "root": state["model_path"], "max_model_len": context}]})
 
     routes = [
-        Route("/generate", generate, methods=["POST"]),
+        Route("/generate", generate, methods=["POST", "PUT"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
-        Route("/model_info", model_info, methods=["GET"]),
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/pause_generation", pause, methods=["POST"]),
         Route("/continue_generation", resume, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
+        Route("/release_memory_occupation", release_memory, methods=["POST", "GET"]),
+        Route("/resume_memory_occupation", resume_memory, methods=["POST", "GET"]),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
+    if rules.model_info_route:
+        routes += [Route("/model_info", model_info, methods=["GET"]),
+                   Route("/server_info", server_info, methods=["GET"])]
     return Starlette(routes=routes)
 
 
@@ -217,10 +447,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=4096)
     ap.add_argument("--param-dtype", default="float32")
     ap.add_argument("--compute-dtype", default="float32")
+    ap.add_argument("--weight-version", default=None, help="initial weight version (SGLang's default: 'default'; "
+                                                            "here: 0)")
+    ap.add_argument("--enable-deterministic-inference", action="store_true",
+                    help="batch-invariant sampling: JaxEngineConfig(deterministic=True)")
+    ap.add_argument("--emulate-sglang-version", default=None,
+                    help="behave as this SGLang version where versions differ (e.g. 0.5.5: no /model_info)")
     # accepted for command-line compatibility with sglang.launch_server; meaningless here
     for flag in ("--tp-size", "--dp-size", "--mem-fraction-static", "--admin-api-key"):
         ap.add_argument(flag, default=None)
-    for flag in ("--skip-server-warmup", "--enable-memory-saver"):
+    # --enable-fp32-lm-head: our sampler always takes log-softmax in fp32 (and weights here are fp32);
+    # --enable-memory-saver: nothing to release on CPU, the endpoints still answer as SGLang's do
+    for flag in ("--skip-server-warmup", "--enable-memory-saver", "--enable-fp32-lm-head"):
         ap.add_argument(flag, action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -236,8 +474,13 @@ def main(argv: list[str] | None = None) -> None:
         from jaxrl_term.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(tok_dir)
-    engine = JaxEngine(model, tokenizer, JaxEngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len))
-    app = create_app(engine, tokenizer, os.path.abspath(args.model_dir), os.path.abspath(tok_dir))
+    engine = JaxEngine(model, tokenizer, JaxEngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                                                         deterministic=args.enable_deterministic_inference))
+    flags = {"enable_memory_saver": args.enable_memory_saver, "enable_fp32_lm_head": args.enable_fp32_lm_head,
+             "enable_deterministic_inference": args.enable_deterministic_inference}
+    app = create_app(engine, tokenizer, os.path.abspath(args.model_dir), os.path.abspath(tok_dir),
+                     rules=Rules(parse_version(args.emulate_sglang_version)), weight_version=args.weight_version,
+                     flags=flags)
     log.info("serving %s on http://%s:%d", args.model_dir, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -62,11 +62,96 @@ def finetune(ts, state, trajectories: Sequence[Trajectory], *, steps: int, batch
         raise ValueError("warm start: no demonstration trajectories (did every oracle fail?)")
     samples = [Sample(t.token_ids, t.loss_mask, [0.0] * len(t.token_ids), 1.0) for t in trajectories]
     rng = random.Random(seed)
-    shards = ts.mesh.shape["data"] * ts.mesh.shape["fsdp"]
     losses = []
     for _ in range(steps):
         picked = [samples[rng.randrange(len(samples))] for _ in range(batch_size)]
-        batch = make_batch(picked, buckets=buckets, row_multiple=ts.algo.microbatches * shards)
+        batch = make_batch(picked, buckets=buckets, row_multiple=ts.shards)
         state, metrics = ts(state, batch)
         losses.append(metrics["loss"])
     return state, losses
+
+
+# ------------------------------------------------------------------------------------------- warm start
+
+
+def demos_to_arrays(demos: Sequence[Trajectory]) -> dict:
+    """Token ids and loss masks of demonstrations, concatenated (for the multi-host channel)."""
+    import numpy as np
+
+    lengths = np.array([len(t.token_ids) for t in demos], np.int64)
+    return {"tokens": np.concatenate([np.asarray(t.token_ids, np.int32) for t in demos]) if demos else
+            np.zeros(0, np.int32),
+            "mask": np.concatenate([np.asarray(t.loss_mask, np.int8) for t in demos]) if demos else np.zeros(0, np.int8),
+            "lengths": lengths}
+
+
+def arrays_to_demos(arrays: dict) -> list:
+    """Inverse of ``demos_to_arrays``: light objects with ``token_ids`` and ``loss_mask`` (all ``finetune`` reads)."""
+    import types
+
+
+    out, at = [], 0
+    for n in arrays["lengths"].tolist():
+        out.append(types.SimpleNamespace(token_ids=arrays["tokens"][at:at + n].tolist(),
+                                         loss_mask=arrays["mask"][at:at + n].astype(int).tolist()))
+        at += n
+    return out
+
+
+def warm_start_key(cfg, arch, opts, task_ids: Sequence[str]) -> str:
+    """Cache key of the fine-tuned weights: model, tasks, scaffold and the SFT settings."""
+    import dataclasses
+    import hashlib
+    import json
+
+    ws, agent = cfg.trainer.warm_start, cfg.agent
+    return hashlib.sha256(json.dumps([dataclasses.asdict(arch), dataclasses.asdict(opts), cfg.seed, sorted(task_ids),
+                                      agent.scaffold, ws.steps, ws.lr, ws.batch_size, agent.max_context_tokens],
+                                     default=str).encode()).hexdigest()[:16]
+
+
+async def warm_start(cfg, *, tokenizer, arch, opts, mesh, rules, init_params, tasks, channel, backend: str,
+                     builder=None, microbatches: int = 1):
+    """SFT on oracle demonstrations, cached in ``cache_dir``; RL then starts from the fine-tuned weights.
+
+    Every process runs this (the SFT steps are collective): process 0 collects the demonstrations in sandboxes
+    and sends them to the others. Returns (params placed like ``init_params``, metrics).
+    """
+    import os
+    from pathlib import Path
+
+    from flax import nnx
+    from omegaconf import OmegaConf
+
+    from jaxrl_term.model.hf import load_pretrained, save_pretrained
+    from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
+
+    ws = cfg.trainer.warm_start
+    key = channel.broadcast_json("warm_start/key",
+                                 warm_start_key(cfg, arch, opts, [t.id for t in tasks]) if channel.lead else None)
+    cache = Path(os.path.expanduser(cfg.cache_dir)) / "warm_start" / key
+    # the cache is used only if every process can read it (cache_dir may be node-local)
+    if all(channel.gather_json("warm_start/cached", (cache / "config.json").is_file())):
+        log.info("warm start: cached fine-tuned weights %s", cache)
+        model = load_pretrained(cache, param_dtype=opts.param_dtype, compute_dtype=opts.compute_dtype, mesh=mesh,
+                                rules=rules, options=opts)
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param)), {"warm_start/cached": True}
+    arrays = None
+    if channel.lead:
+        agent = OmegaConf.to_object(cfg.agent)
+        sb = OmegaConf.to_object(cfg.sandbox)
+        demos = await collect_demonstrations(tasks, scaffold=agent.scaffold, tokenizer=tokenizer,
+                                             limits=agent.limits(), backend=backend, builder=builder,
+                                             sandbox_limits=sb.limits(), enable_thinking=agent.enable_thinking)
+        log.info("warm start: %d demonstrations from %d tasks; %d SFT steps", len(demos), len(tasks), ws.steps)
+        arrays = demos_to_arrays(demos)
+    arrays, _ = channel.broadcast_arrays("warm_start/demos", arrays)
+    demos = arrays_to_demos(arrays)
+    sft_ts = make_train_step(arch, AlgoConfig(name="sft", loss="nll", microbatches=microbatches),
+                             OptimConfig(lr=ws.lr, weight_decay=0.0, grad_clip=1.0), mesh, options=opts, rules=rules)
+    state = sft_ts.init_state(init_params, seed=cfg.seed)
+    state, losses = await asyncio.to_thread(finetune, sft_ts, state, demos, steps=ws.steps, batch_size=ws.batch_size,
+                                            seed=cfg.seed, buckets=tuple(cfg.trainer.buckets))
+    await asyncio.to_thread(save_pretrained, sft_ts.model(state.params), cache, "float32")  # collective
+    return state.params, {"warm_start/demonstrations": len(demos), "warm_start/loss_first": losses[0],
+                          "warm_start/loss_last": losses[-1]}

@@ -3,8 +3,9 @@
 One RL step: pull a batch of scored groups from the rollout pipeline -> advantages -> ``rl.batch`` arrays ->
 the jitted update (in a worker thread, so rollouts for the next step keep running) -> weight sync to the
 engine (in-process for the embedded engine; ``save_pretrained`` + SGLang update for servers) -> metrics ->
-checkpoint. Multi-host: every process runs this program over one global mesh (``jax.distributed``); process
-0 drives the rollouts and broadcasts each batch; only process 0 writes logs and exports.
+checkpoint. Multi-host: every process runs this same loop over one global mesh (``jax.distributed``); process
+0 drives the rollouts and sends each batch over the coordination service's key-value store; every collective
+(update, export, checkpoint, resume, final export) is called by every process; only process 0 writes logs.
 """
 
 from __future__ import annotations
@@ -68,62 +69,77 @@ def resolve_backend(name: str) -> str:
 
 
 def params_digest(params) -> str:
+    """A hash of every parameter's bytes. Collective in multi-process runs (every process must call it)."""
     import jax
     import numpy as np
 
     h = hashlib.sha256()
-    for x in jax.tree.leaves(jax.device_get(params)):
-        h.update(np.ascontiguousarray(x).tobytes())
+    for x in jax.tree.leaves(params):
+        if not getattr(x, "is_fully_addressable", True):
+            from jax.experimental import multihost_utils
+
+            x = multihost_utils.process_allgather(x, tiled=True)
+        h.update(np.ascontiguousarray(jax.device_get(x)).tobytes())
     return h.hexdigest()[:16]
 
 
-def broadcast_batch(batch, lead: bool):
-    """Multi-host: process 0's batch (or None = stop) to every process; a no-op with one process."""
-    import jax
-    import numpy as np
-
-    if jax.process_count() == 1:
-        return batch
-    from jax.experimental import multihost_utils
-
-    from jaxrl_term.rl.batch import Batch
-
-    header = np.zeros(3, np.int64)
-    if lead and batch is not None:
-        header[:] = (1, *batch.tokens.shape)
-    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
-    if header[0] == 0:
-        return None
-    if not lead:
-        shape = tuple(int(x) for x in header[1:])
-        batch = Batch(**{f.name: np.zeros(shape, np.int32 if f.name in ("tokens", "positions", "segment_ids")
-                                          else np.float32) for f in dataclasses.fields(Batch)})
-    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(batch))
+def batch_arrays(batch) -> dict:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
 
 
 # ------------------------------------------------------------------------------------------------ run
 
 
 class Trainer:
-    """Everything one run holds; ``run()`` is the training loop."""
+    """Everything one run holds. ``run()`` is the training loop, and every JAX process runs it: only process 0
+    talks to engines, sandboxes and judges; every collective (update, weight export, checkpoint, resume,
+    final export) is on the shared path, and the others wait for process 0's batches on the host."""
 
     def __init__(self, cfg: Config):
-        import jax
-
-        from jaxrl_term.parallel.mesh import LogicalRules, initialize_distributed, make_mesh
-        from jaxrl_term.rl.step import make_train_step
-        from jaxrl_term.utils.checkpoint import Checkpointer
-        from jaxrl_term.utils.metrics import MetricsLogger
+        from jaxrl_term.parallel.mesh import initialize_distributed
+        from jaxrl_term.parallel.multihost import HostChannel
+        from jaxrl_term.rollout.colocation import apply_trainer_env, colocation_plan
+        from jaxrl_term.rollout.setup import launch_local_servers
 
         self.cfg = cfg
         d = cfg.mesh.distributed
         initialize_distributed(enabled=d.enabled, coordinator_address=d.coordinator_address,
                                num_processes=d.num_processes, process_id=d.process_id,
                                local_device_ids=d.local_device_ids, initialization_timeout_s=d.initialization_timeout_s)
-        self.lead = jax.process_index() == 0
-        if cfg.rollout.engine == "jax" and jax.process_count() > 1:
+        self.channel = HostChannel("jaxrl_term")
+        self.lead = self.channel.lead
+        if cfg.rollout.engine == "jax" and self.channel.count > 1:
             raise ValueError("rollout.engine=jax is a single-process engine; multi-host runs use rollout=sglang")
         self.run_dir = Path(cfg.run_dir)
+        # Before anything touches a GPU: the XLA allocator settings of the colocation plan, and this node's
+        # SGLang servers, started and ready (SGLang sizes its KV cache from the memory free when it starts).
+        if cfg.trainer.cluster.gpus_per_node > 0:
+            done = apply_trainer_env(colocation_plan(cfg))
+            if done:
+                log.info("colocation %s: %s", cfg.rollout.sglang.colocation.mode, done)
+        self.launcher = launch_local_servers(cfg, self.run_dir)
+        if self.launcher is not None:
+            try:
+                asyncio.run(self.launcher.wait_ready(cfg.rollout.sglang.launch.ready_timeout_s))
+            except BaseException:
+                self.launcher.stop()
+                raise
+        try:
+            self._build()
+        except BaseException:
+            if self.launcher is not None:
+                self.launcher.stop()
+            raise
+
+    def _build(self) -> None:
+        from flax import nnx
+
+        from jaxrl_term.parallel.mesh import LogicalRules, make_mesh
+        from jaxrl_term.rl.step import make_train_step
+        from jaxrl_term.utils.checkpoint import Checkpointer
+        from jaxrl_term.utils.metrics import MetricsLogger
+
+        cfg = self.cfg
         self.mesh = make_mesh(OmegaConf.to_container(cfg.mesh.shape))
         self.rules = LogicalRules.from_mapping(OmegaConf.to_container(cfg.mesh.rules) if cfg.mesh.rules else None)
         self.tok, self.tok_path = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
@@ -134,165 +150,97 @@ class Trainer:
         self.arch, self.opts = model.config, model.options
         algo, optim = OmegaConf.to_object(cfg.algo), OmegaConf.to_object(cfg.optim)
         # log-probs are recomputed under the distribution the engine sampled from: one temperature
-        algo = dataclasses.replace(algo, temperature=cfg.rollout.temperature)
-        self.algo = algo
-        self.ts = make_train_step(self.arch, algo, optim, self.mesh, options=self.opts, rules=self.rules)
-        self.shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        self.algo = dataclasses.replace(algo, temperature=cfg.rollout.temperature)
+        self.ts = make_train_step(self.arch, self.algo, optim, self.mesh, options=self.opts, rules=self.rules)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, enabled=self.lead,
-                                     console=cfg.logging.console,
-                                     wandb=OmegaConf.to_container(cfg.logging.wandb),
+                                     console=cfg.logging.console, wandb=OmegaConf.to_container(cfg.logging.wandb),
                                      config=OmegaConf.to_container(cfg, resolve=True))
-        from flax import nnx
-
-        init_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        self._init_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        del model
         self.ref_params = None
         self.start_step, self.start_seq = 0, 0
-        resume = cfg.trainer.resume
-        latest = self.ckpt.latest_step()
+        resume, latest = cfg.trainer.resume, self.ckpt.latest_step()
         if resume == "true" and latest is None:
             raise FileNotFoundError(f"trainer.resume=true but {self.run_dir / 'checkpoints'} has no checkpoint")
+        self.state = None  # after the warm start (run()), or restored here
         if latest is not None and resume in ("auto", "true"):
-            self.state, meta = self.ckpt.restore(self.ts.abstract_state())
+            self.state, meta = self.ckpt.restore(self.ts.abstract_state())  # collective: every process
             self.start_step, self.start_seq = int(meta["step"]), int(meta["seq"])
             log.info("resumed from %s at step %d (data cursor %d)", self.run_dir / "checkpoints", self.start_step,
                      self.start_seq)
-        else:
-            self.state = None  # after the warm start (run()), or from init_params
-        self._init_params = init_params
-        if algo.kl_coef:
-            self.ref_params = jax.device_put(init_params, self.ts.param_shardings)
-        del model
+        self.engine = self.backend = self.builder = self.reward = None
 
-    # -- warm start -------------------------------------------------------------------------------
-    async def warm_start(self, tasks):
-        """SFT on oracle demonstrations (cached by model, tasks, scaffold and settings), then RL starts
-        from the fine-tuned weights with a fresh optimizer."""
-        import jax
-
-        from jaxrl_term.model.hf import load_pretrained, save_pretrained
-        from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
-        from jaxrl_term.sft import collect_demonstrations, finetune
-
-        cfg, ws = self.cfg, self.cfg.trainer.warm_start
-        agent = OmegaConf.to_object(cfg.agent)
-        key = hashlib.sha256(json.dumps([dataclasses.asdict(self.arch), dataclasses.asdict(self.opts), cfg.seed,
-                                         sorted(t.id for t in tasks), agent.scaffold, ws.steps, ws.lr, ws.batch_size,
-                                         agent.max_context_tokens], default=str).encode()).hexdigest()[:16]
-        cache = Path(os.path.expanduser(cfg.cache_dir)) / "warm_start" / key
-        if (cache / "config.json").is_file():
-            log.info("warm start: cached fine-tuned weights %s", cache)
-            model = load_pretrained(cache, param_dtype=self.opts.param_dtype, compute_dtype=self.opts.compute_dtype,
-                                    mesh=self.mesh, rules=self.rules, options=self.opts)
-            from flax import nnx
-
-            return nnx.to_pure_dict(nnx.state(model, nnx.Param)), {"warm_start/cached": True}
-        backend = resolve_backend(cfg.sandbox.backend)
-        sb = OmegaConf.to_object(cfg.sandbox)
-        builder = None
-        if backend == "docker":
-            from jaxrl_term.sandbox.images import ImageBuilder
-
-            builder = ImageBuilder(ca_bundle=sb.extra_ca_bundle)
-        demos = await collect_demonstrations(tasks, scaffold=agent.scaffold, tokenizer=self.tok,
-                                             limits=agent.limits(), backend=backend, builder=builder,
-                                             sandbox_limits=sb.limits(), enable_thinking=agent.enable_thinking)
-        log.info("warm start: %d demonstrations from %d tasks; %d SFT steps", len(demos), len(tasks), ws.steps)
-        sft_ts = make_train_step(self.arch, AlgoConfig(name="sft", loss="nll", microbatches=self.algo.microbatches),
-                                 OptimConfig(lr=ws.lr, weight_decay=0.0, grad_clip=1.0), self.mesh,
-                                 options=self.opts, rules=self.rules)
-        state = sft_ts.init_state(self._init_params, seed=cfg.seed)
-        state, losses = await asyncio.to_thread(finetune, sft_ts, state, demos, steps=ws.steps,
-                                                batch_size=ws.batch_size, seed=cfg.seed,
-                                                buckets=tuple(cfg.trainer.buckets))
-        params = jax.device_get(state.params)
-        if self.lead:
-            save_pretrained(sft_ts.model(state.params), cache, "float32")
-        return params, {"warm_start/demonstrations": len(demos), "warm_start/loss_first": losses[0],
-                        "warm_start/loss_last": losses[-1]}
-
-    # -- engine and pipeline ----------------------------------------------------------------------
-    def make_engine(self):
-        r = self.cfg.rollout
-        if r.engine == "jax":
-            from jaxrl_term.rollout.jax_engine import JaxEngine, JaxEngineConfig
-
-            j = r.jax
-            return JaxEngine(self.ts.model(self.state.params), self.tok,
-                             JaxEngineConfig(max_batch=j.max_batch, max_seq_len=j.max_seq_len,
-                                             prefill_chunk=j.prefill_chunk, param_dtype=j.param_dtype,
-                                             prefix_reuse=j.prefix_reuse,
-                                             deterministic=self.cfg.trainer.deterministic_engine),
-                             weight_version=self.start_step), None
-        if r.engine == "sglang":
-            from jaxrl_term.rollout.sglang import ServerSpec, SGLangEngine, SGLangLauncher
-
-            s = r.sglang
-            launcher = None
-            urls = list(s.urls)
-            if s.launch.enabled:
-                la = s.launch
-                if not la.model_path:
-                    raise ValueError("rollout.sglang.launch.model_path (or model.path) must name the HF model dir")
-                launcher = SGLangLauncher(la.model_path, [ServerSpec(x.port, x.gpus, x.tp_size) for x in la.servers],
-                                          python=la.python, module=la.module, host=la.host,
-                                          mem_fraction_static=la.mem_fraction_static, context_length=la.context_length,
-                                          extra_args=la.extra_args, log_dir=str(self.run_dir / "sglang"))
-                urls += launcher.start()
-            if not urls:
-                raise ValueError("rollout.sglang.urls is empty and the launcher is off: nothing to send requests to")
-            return SGLangEngine(urls, router=s.router, request_timeout_s=s.request_timeout_s,
-                                max_retries=s.max_retries, backoff_s=s.backoff_s, pause_mode=s.pause_mode), launcher
-        raise ValueError(f"rollout.engine={r.engine!r}; use jax or sglang")
-
-    async def sync_weights(self, engine, version: int) -> None:
+    # -- weights -------------------------------------------------------------------------------------
+    async def sync_weights(self, version: int) -> None:
+        """New weights to the engine. Servers: every process joins the export (it gathers sharded parameters
+        chunk by chunk); process 0 then tells every server to load it (taking back the memory it released
+        for the update when time-sharing the GPUs)."""
         if self.cfg.rollout.engine == "jax":
-            await engine.update_weights(self.state.params, version)
+            await self.engine.update_weights(self.state.params, version)
             return
         from jaxrl_term.model.hf import save_pretrained
 
         s = self.cfg.rollout.sglang
         out = Path(s.export_dir or (self.run_dir / "hf_export")) / "policy"
+        write = True if not s.export_shared else self.lead
         await asyncio.to_thread(save_pretrained, self.ts.model(self.state.params), out, s.export_dtype,
-                                tokenizer_dir=self.tok_path)
+                                tokenizer_dir=self.tok_path, write=write)
+        self.channel.barrier(f"export/{version}")
         if self.lead:
-            await engine.update_weights(out, version)
+            if s.colocation.mode == "time_share" and s.launch.enabled:
+                await self.engine.resume_memory()
+            await self.engine.update_weights(out, version)
 
-    def make_pipeline(self, engine, tasks):
+    async def start_engine(self) -> None:
+        """The engine on process 0; server URLs from every node's launcher."""
+        from jaxrl_term.rollout.setup import make_jax_engine, make_sglang_engine
+
+        if self.cfg.rollout.engine == "jax":
+            self.engine = make_jax_engine(self.cfg, self.ts.model(self.state.params), self.tok, self.start_step)
+            return
+        local = self.launcher.urls if self.launcher is not None else []
+        urls = [u for node in self.channel.gather_json("servers", local) for u in node]
+        if self.lead:
+            self.engine = make_sglang_engine(self.cfg, list(self.cfg.rollout.sglang.urls) + urls)
+            await self.engine.wait_ready(self.cfg.rollout.sglang.launch.ready_timeout_s)
+        self.channel.barrier("engine_ready")
+
+    def make_pipeline(self, tasks):
         from jaxrl_term.rollout.engine import SamplingParams
         from jaxrl_term.rollout.pipeline import RolloutPipeline
         from jaxrl_term.sandbox.base import SandboxPool
 
         cfg = self.cfg
         agent = OmegaConf.to_object(cfg.agent)
-        backend = resolve_backend(cfg.sandbox.backend)
         sb = OmegaConf.to_object(cfg.sandbox)
-        builder = None
-        if backend == "docker":
-            from jaxrl_term.sandbox.docker import reap
-            from jaxrl_term.sandbox.images import ImageBuilder
-
-            reap()
-            from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP
-
-            image_map = [tuple(x) for x in sb.image_map] or DEFAULT_IMAGE_MAP
-            builder = ImageBuilder(image_map=image_map, ca_bundle=sb.extra_ca_bundle,
-                                   max_parallel_builds=sb.max_parallel_builds)
-        pool = SandboxPool(backend, max_concurrent=sb.max_concurrent, **sb.limits())
+        pool = SandboxPool(self.backend, max_concurrent=sb.max_concurrent, **sb.limits())
         sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=agent.max_tokens_per_turn)
-        self.backend = backend
         self.reward = OmegaConf.to_object(cfg.reward).mixer()
         return RolloutPipeline(
-            tasks, engine=engine, tokenizer=self.tok, scaffold_factory=agent.scaffold_obj,
+            tasks, engine=self.engine, tokenizer=self.tok, scaffold_factory=agent.scaffold_obj,
             group_size=self.algo.group_size, groups_per_step=cfg.trainer.groups_per_step, sampling=sampling,
-            limits=agent.limits(), backend=backend, builder=builder, pool=pool, scoring=cfg.reward.scoring,
+            limits=agent.limits(), backend=self.backend, builder=self.builder, pool=pool, scoring=cfg.reward.scoring,
             reward_fn=self.reward,
             max_concurrent_episodes=cfg.trainer.max_concurrent_episodes,
             max_episode_retries=cfg.trainer.max_episode_retries, drop_zero_variance=cfg.trainer.drop_zero_variance,
             max_filtered_per_step=cfg.trainer.max_filtered_per_step,
             max_off_policy_steps=cfg.trainer.max_off_policy_steps, enable_thinking=agent.enable_thinking,
             seed=cfg.seed, start_seq=self.start_seq, policy_version=self.start_step)
+
+    def make_builder(self):
+        """Process 0's sandbox backend and image builder (reaping leftovers of earlier runs first)."""
+        sb = self.cfg.sandbox
+        self.backend, self.builder = resolve_backend(sb.backend), None
+        if self.backend == "docker":
+            from jaxrl_term.sandbox.docker import reap
+            from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP, ImageBuilder
+
+            reap()
+            image_map = [tuple(x) for x in sb.image_map] or DEFAULT_IMAGE_MAP
+            self.builder = ImageBuilder(image_map=image_map, ca_bundle=sb.extra_ca_bundle,
+                                        max_parallel_builds=sb.max_parallel_builds)
 
     # -- one step ---------------------------------------------------------------------------------
     def build_batch(self, groups):
@@ -305,8 +253,7 @@ class Trainer:
         adv = group_advantages(rewards, self.algo.advantage, std_ddof=self.algo.std_ddof)
         samples = [Sample(t.token_ids, t.loss_mask, t.logprobs, float(a))
                    for g, row in zip(groups, adv) for t, a in zip(g.trajectories, row)]
-        multiple = self.algo.microbatches * self.shards
-        batch = make_batch(samples, buckets=self.cfg.trainer.buckets, row_multiple=multiple,
+        batch = make_batch(samples, buckets=self.cfg.trainer.buckets, row_multiple=self.ts.shards,
                            pack=self.cfg.trainer.pack, vocab_size=self.arch.vocab_size)
         return batch, rewards, adv
 
@@ -353,110 +300,118 @@ class Trainer:
             m["reward/tests_mean"] = float(np.mean(tests))
         m.update({f"time/{k}": v for k, v in times.items()})
         m["task_ids"] = [g.task.id for g in groups]
-        if self.cfg.trainer.log_param_digest:
-            m["params_digest"] = params_digest(self.state.params)
         return m
 
-    async def follow(self) -> dict:
-        """Processes other than 0: take each broadcast batch, update, export and checkpoint in lockstep."""
-        cfg, tcfg = self.cfg, self.cfg.trainer
-        if self.state is None:
-            self.state = self.ts.init_state(self._init_params, seed=cfg.seed)
-        engine, launcher = self.make_engine()  # starts this node's servers; only process 0 sends requests
-        try:
-            for step in range(self.start_step, tcfg.steps):
-                batch = broadcast_batch(None, lead=False)
-                if batch is None:
-                    break
-                self.state, _ = await asyncio.to_thread(self.ts.update, self.state, batch, self.ref_params)
-                await self.sync_weights(engine, step + 1)
-                if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
-                    self.ckpt.save(step + 1, self.state, {"step": step + 1, "seq": -1, "policy_version": step + 1})
-        finally:
-            self.ckpt.close()
-            if launcher is not None:
-                launcher.stop()
-        return {}
-
     async def run(self) -> dict:
+        from jaxrl_term.rl.batch import Batch
+        from jaxrl_term.sft import warm_start
         from jaxrl_term.tasks.dataset import load_dataset
 
-        if not self.lead:
-            return await self.follow()
-        cfg, tcfg = self.cfg, self.cfg.trainer
-        data = OmegaConf.to_container(cfg.data)
-        tasks = load_dataset(data.pop("source"), **data)
+        cfg, tcfg, ch = self.cfg, self.cfg.trainer, self.channel
+        tasks = None
+        if self.lead:
+            data = OmegaConf.to_container(cfg.data)
+            tasks = load_dataset(data.pop("source"), **data)
+            self.make_builder()
         warm = {}
         if self.state is None:
             params = self._init_params
             if tcfg.warm_start.enabled:
-                params, warm = await self.warm_start(tasks)
+                params, warm = await warm_start(cfg, tokenizer=self.tok, arch=self.arch, opts=self.opts,
+                                                mesh=self.mesh, rules=self.rules, init_params=params, tasks=tasks,
+                                                channel=ch, backend=self.backend, builder=self.builder,
+                                                microbatches=self.algo.microbatches)
                 self.metrics.log(-1, warm)
             self.state = self.ts.init_state(params, seed=cfg.seed)
-        elif tcfg.log_param_digest:
+        elif tcfg.log_param_digest:  # every process: the digest gathers sharded parameters
             self.metrics.log(self.start_step - 1, {"resume/params_digest": params_digest(self.state.params)})
         self._init_params = None
-        engine, launcher = self.make_engine()
-        if launcher is not None:
-            await launcher.wait_ready(cfg.rollout.sglang.launch.ready_timeout_s)
+        await self.start_engine()
         if self.start_step > 0 and cfg.rollout.engine == "sglang":  # servers start from model.path
-            await self.sync_weights(engine, self.start_step)
-        pipeline = self.make_pipeline(engine, tasks)
-        log.info("run dir %s: %d tasks, %s sandboxes, engine %s, steps %d..%d", self.run_dir, len(tasks),
-                 self.backend, cfg.rollout.engine, self.start_step, tcfg.steps)
-        pipeline.start()
+            await self.sync_weights(self.start_step)
+        pipeline = self.make_pipeline(tasks) if self.lead else None
+        if self.lead:
+            log.info("run dir %s: %d tasks, %s sandboxes, engine %s, %d process(es), steps %d..%d", self.run_dir,
+                     len(tasks), self.backend, cfg.rollout.engine, ch.count, self.start_step, tcfg.steps)
+            pipeline.start()
         t_run = time.monotonic()
-        history = []
+        history: list[dict] = []
+        step, done = self.start_step, False
+        time_share = (cfg.rollout.engine == "sglang" and cfg.rollout.sglang.launch.enabled
+                      and cfg.rollout.sglang.colocation.mode == "time_share")
         try:
             for step in range(self.start_step, tcfg.steps):
                 t0 = time.monotonic()
-                groups = await pipeline.get_batch(step)
+                arrays = meta = groups = rewards = None
+                if self.lead:
+                    groups = await pipeline.get_batch(step)
+                    batch, rewards, _ = self.build_batch(groups)
+                    arrays, meta = batch_arrays(batch), {"seq": pipeline.consumed}
+                    if time_share:  # the servers are idle (synchronous run): free their memory for the update
+                        await self.engine.release_memory()
                 t1 = time.monotonic()
-                batch, rewards, _ = self.build_batch(groups)
-                batch = broadcast_batch(batch, lead=True)
-                busy0 = pipeline.busy_seconds()
-                self.state, hist = await asyncio.to_thread(self.ts.update, self.state, batch, self.ref_params)
+                arrays, meta = await asyncio.to_thread(ch.broadcast_arrays, f"batch/{step}", arrays, meta)
+                if arrays is None:
+                    raise RuntimeError(f"process 0 stopped before step {step}; see its log")
+                busy0 = pipeline.busy_seconds() if self.lead else 0.0
+                self.state, hist = await asyncio.to_thread(self.ts.update, self.state, Batch(**arrays),
+                                                           self.ref_params)
+                ch.delete(f"batch/{step}")  # the update was collective: every process has read it
                 t2 = time.monotonic()
-                overlap = pipeline.busy_seconds() - busy0
-                await self.sync_weights(engine, step + 1)
-                await pipeline.set_policy_version(step + 1)
+                overlap = (pipeline.busy_seconds() - busy0) if self.lead else 0.0
+                await self.sync_weights(step + 1)
+                if self.lead:
+                    await pipeline.set_policy_version(step + 1)
                 t3 = time.monotonic()
                 if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
-                    self.ckpt.save(step + 1, self.state, {"step": step + 1, "seq": pipeline.consumed,
+                    self.ckpt.save(step + 1, self.state, {"step": step + 1, "seq": int(meta["seq"]),
                                                           "policy_version": step + 1})
                 t4 = time.monotonic()
-                self.write_samples(step, groups)
-                times = {"rollout_wait_s": t1 - t0, "update_s": t2 - t1, "weight_sync_s": t3 - t2,
-                         "checkpoint_s": t4 - t3, "step_s": time.monotonic() - t0, "overlap_s": overlap,
-                         "overlap_frac": overlap / max(t2 - t1, 1e-9)}
-                m = self.step_metrics(step, groups, rewards, hist, times, pipeline)
-                self.metrics.log(step, m)
-                history.append(m)
+                digest = params_digest(self.state.params) if tcfg.log_param_digest else None  # collective
+                if self.lead:
+                    self.write_samples(step, groups)
+                    times = {"rollout_wait_s": t1 - t0, "update_s": t2 - t1, "weight_sync_s": t3 - t2,
+                             "checkpoint_s": t4 - t3, "step_s": time.monotonic() - t0, "overlap_s": overlap,
+                             "overlap_frac": overlap / max(t2 - t1, 1e-9)}
+                    m = self.step_metrics(step, groups, rewards, hist, times, pipeline)
+                    if digest is not None:
+                        m["params_digest"] = digest
+                    self.metrics.log(step, m)
+                    history.append(m)
+            done = True
         finally:
-            broadcast_batch(None, lead=True)  # multi-host: tell the other processes to stop
-            await pipeline.stop()
-            if self.reward.judge is not None:
-                await self.reward.judge.aclose()
-            self.ckpt.close()
-            if cfg.rollout.engine == "jax":
-                engine.close()
-            else:
-                await engine.aclose()
-            if launcher is not None:
-                launcher.stop()
+            if self.lead and not done:  # followers may be waiting for this step's batch: tell them to stop
+                ch.broadcast_arrays(f"batch/{step}", None, {"stop": True})
+            await self.close(pipeline)
         out = {"run_dir": str(self.run_dir), "steps": tcfg.steps, "start_step": self.start_step, **warm,
                "seconds": time.monotonic() - t_run, "metrics": str(self.run_dir / "metrics.jsonl"),
-               "trajectories": str(self.run_dir / "trajectories"), "checkpoints": self.ckpt.all_steps()}
-        if tcfg.export_final and history:
+               "trajectories": str(self.run_dir / "trajectories"), "checkpoints": self.ckpt.all_steps(),
+               "processes": ch.count}
+        if tcfg.export_final and self.start_step < tcfg.steps:
             from jaxrl_term.model.hf import save_pretrained
 
-            out["hf_final"] = str(save_pretrained(self.ts.model(self.state.params), self.run_dir / "hf_final",
-                                                  "float32" if self.opts.param_dtype == "float32" else "bfloat16",
-                                                  tokenizer_dir=self.tok_path))
+            dtype = "float32" if self.opts.param_dtype == "float32" else "bfloat16"
+            out["hf_final"] = str(save_pretrained(self.ts.model(self.state.params), self.run_dir / "hf_final", dtype,
+                                                  tokenizer_dir=self.tok_path))  # collective
         if history:
             out["reward_first"], out["reward_last"] = history[0]["reward/mean"], history[-1]["reward/mean"]
+        self.ckpt.close()
         self.metrics.close()
         return out
+
+    async def close(self, pipeline) -> None:
+        if pipeline is not None:
+            await pipeline.stop()
+        if self.reward is not None and self.reward.judge is not None:
+            await self.reward.judge.aclose()
+        self.ckpt.wait()
+        if self.engine is not None:
+            if self.cfg.rollout.engine == "jax":
+                self.engine.close()
+            else:
+                await self.engine.aclose()
+        if self.launcher is not None:
+            self.launcher.stop()
 
 
 def print_summary(summary: dict) -> None:

@@ -106,6 +106,48 @@ def test_remat_changes_memory_not_values(remat):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("opts", [
+    dict(remat="full", remat_groups=2),  # nested remat: 2 groups of 1 layer
+    dict(mlp_chunk=5),  # 12 tokens in MLP chunks of 5 (padded last chunk)
+    dict(attention="blockwise", attention_block=8),  # flash attention, 12 tokens in blocks of 8
+    dict(attention="blockwise", attention_block=8, remat="full", remat_groups=2, mlp_chunk=4),
+], ids=["nested_remat", "mlp_chunk", "blockwise", "all"])
+def test_long_context_memory_options_change_memory_not_values(opts):
+    """Every option the cluster presets use to fit 32k-64k contexts computes the same loss and gradient."""
+    from flax import nnx
+
+    base, other = _tiny_model(), _tiny_model(**opts)
+    ids, mask, _ = padded_batch(TINY["vocab_size"])
+    valid = jnp.asarray(mask, jnp.float32)[..., None]  # padding queries differ by design (blockwise: zeros)
+
+    def loss(m):
+        return jnp.sum((m(jnp.asarray(ids), jnp.asarray(mask)) * valid) ** 2) / valid.sum()
+
+    (la, ga), (lb, gb) = nnx.value_and_grad(loss)(base), nnx.value_and_grad(loss)(other)
+    assert float(lb) == pytest.approx(float(la), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_remat_saves_layer_inputs_as_bits_and_matches_plain_bf16():
+    """remat=full with bf16 activations stores each layer's input as uint16 bits: same gradient as no remat."""
+    from flax import nnx
+
+    base = _tiny_model(compute_dtype="bfloat16")
+    rem = _tiny_model(compute_dtype="bfloat16", remat="full", remat_groups=2)
+    ids, mask, _ = padded_batch(TINY["vocab_size"])
+
+    def loss(m):
+        return jnp.mean(m(jnp.asarray(ids), jnp.asarray(mask)).astype(jnp.float32) ** 2)
+
+    ga, gb = nnx.grad(loss)(base), nnx.grad(loss)(rem)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-2, atol=1e-5)
+    graph, state = nnx.split(rem)
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda st: loss(nnx.merge(graph, st))))(state))
+    assert "u16[" in jaxpr  # the saved layer inputs are raw bits
+
+
 def test_jax_dot_product_attention_matches_reference_attention():
     a, b = _tiny_model(attention="xla"), _tiny_model(attention="dot_product_attention")
     ids, mask, _ = padded_batch(TINY["vocab_size"])

@@ -99,13 +99,13 @@ def test_sharded_step_equals_single_device_step(shape):
     assert metrics["loss"] == pytest.approx(ref_metrics["loss"], rel=1e-5)
     for p, a, b in zip(p0, leaves(ref_state.params), leaves(state.params), strict=True):
         np.testing.assert_allclose(b - p, a - p, rtol=1e-4, atol=1e-8)  # atol: a few fp32 ulps of the params
-    # shardings: parameters follow the rules table, Adam moments follow their parameters
+    # shardings: parameters follow the rules table (fully sharded over data x fsdp), Adam moments follow them
     q = state.params["layers"]["q_proj"]
-    assert q.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp", "tensor", None)), 4)
+    assert q.sharding.is_equivalent_to(NamedSharding(mesh, P(None, ("data", "fsdp"), "tensor", None)), 4)
     mu = state.opt_state[1][0].mu["layers"]["q_proj"]
     assert mu.sharding.is_equivalent_to(q.sharding, 4)
     emb = state.params["embed_tokens"]
-    assert emb.sharding.is_equivalent_to(NamedSharding(mesh, P("tensor", "fsdp")), 2)
+    assert emb.sharding.is_equivalent_to(NamedSharding(mesh, P("tensor", ("data", "fsdp"))), 2)
     assert state.step.sharding.is_fully_replicated
 
 

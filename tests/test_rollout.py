@@ -302,7 +302,7 @@ def _fixture_client(name: str, seen: list) -> SGLangEngine:
         seen.append(json.loads(request.content))
         return httpx.Response(200, json=body)
 
-    return SGLangEngine(["http://sglang:30000"], transport=httpx.MockTransport(handler))
+    return SGLangEngine(["http://sglang:30000"], transport=httpx.MockTransport(handler), context_length=32768)
 
 
 def test_client_parses_sglang_response_fixtures():
@@ -360,7 +360,8 @@ def test_5xx_is_retried_then_reported_and_4xx_is_not_retried():
         return httpx.Response(200, json=json.loads((FIX / "length.json").read_text()))
 
     async def go(handler, retries):
-        c = SGLangEngine(["http://s:1"], transport=httpx.MockTransport(handler), max_retries=retries, backoff_s=0.01)
+        c = SGLangEngine(["http://s:1"], transport=httpx.MockTransport(handler), max_retries=retries, backoff_s=0.01,
+                         context_length=4096)
         try:
             return await c.generate([1], SamplingParams(max_new_tokens=4))
         finally:
@@ -384,7 +385,7 @@ def test_sessions_stick_to_a_server_and_new_ones_spread():
         return httpx.Response(200, json=json.loads((FIX / "length.json").read_text()))
 
     async def go():
-        c = SGLangEngine(["http://a:1", "http://b:1"], transport=httpx.MockTransport(handler))
+        c = SGLangEngine(["http://a:1", "http://b:1"], transport=httpx.MockTransport(handler), context_length=4096)
         try:
             for turn in range(3):
                 await asyncio.gather(c.generate([1], SamplingParams(), session="x"),

@@ -13,18 +13,20 @@ from helpers import TINY, hf_checkpoint
 from jaxrl_term.model.hf import load_pretrained
 from jaxrl_term.parallel.mesh import DEFAULT_RULES, LogicalRules, ShardingError, make_mesh
 
-# What conf/mesh/default.yaml says, written out per parameter (stacked layer params lead with `layers`).
+# What conf/mesh/default.yaml says, written out per parameter (stacked layer params lead with `layers`):
+# the hidden ("embed") dimension is sharded over every data-parallel device (data x fsdp, full shard).
+DP = ("data", "fsdp")
 EXPECTED = {
-    "embed_tokens": P("tensor", "fsdp"),
-    "lm_head": P("fsdp", "tensor"),
+    "embed_tokens": P("tensor", DP),
+    "lm_head": P(DP, "tensor"),
     "norm": P(),
-    "layers.q_proj": P(None, "fsdp", "tensor", None),
-    "layers.k_proj": P(None, "fsdp", "tensor", None),
-    "layers.v_proj": P(None, "fsdp", "tensor", None),
-    "layers.o_proj": P(None, "tensor", None, "fsdp"),
-    "layers.gate_proj": P(None, "fsdp", "tensor"),
-    "layers.up_proj": P(None, "fsdp", "tensor"),
-    "layers.down_proj": P(None, "tensor", "fsdp"),
+    "layers.q_proj": P(None, DP, "tensor", None),
+    "layers.k_proj": P(None, DP, "tensor", None),
+    "layers.v_proj": P(None, DP, "tensor", None),
+    "layers.o_proj": P(None, "tensor", None, DP),
+    "layers.gate_proj": P(None, DP, "tensor"),
+    "layers.up_proj": P(None, DP, "tensor"),
+    "layers.down_proj": P(None, "tensor", DP),
     "layers.q_norm": P(),
     "layers.input_layernorm": P(),
 }

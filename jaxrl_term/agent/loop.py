@@ -111,7 +111,8 @@ async def run_episode(
             return end("timeout")
         # a seeded episode gives every turn its own seed (the same seed each turn would repeat its randomness)
         seed = None if sampling.seed is None else (sampling.seed + 1_000_003 * turn) % 2**31
-        params = sampling.replace(max_new_tokens=min(limits.max_tokens_per_turn, room), stop_token_ids=stop_ids,
+        # room - 1: SGLang rejects input + max_new >= context (<= 0.5.10) with HTTP 400
+        params = sampling.replace(max_new_tokens=min(limits.max_tokens_per_turn, room - 1), stop_token_ids=stop_ids,
                                   seed=seed)
         t0 = time.monotonic()
         try:
@@ -123,6 +124,8 @@ async def run_episode(
         except Exception as e:  # noqa: BLE001 - any engine failure invalidates the trajectory, never scores 0
             return end("engine_error", f"{type(e).__name__}: {e}")
         gen_s = time.monotonic() - t0
+        if gen.finish_reason == "length" and not gen.output_ids:  # the server's context has no room left
+            return end("context_full", "no room left in the server's context")
         if gen.finish_reason == "abort" or not gen.output_ids:
             return end("engine_error", f"the engine aborted the request ({gen.finish_reason})")
         start = len(ids)

@@ -5,13 +5,23 @@ parameter is assembled on the host once and handed to ``jax.make_array_from_call
 sharding, so at most one stacked parameter (plus the device shards) lives in host memory at a time.
 ``save_pretrained`` writes an HF directory (config.json, sharded safetensors + index) that transformers
 and SGLang's ``/update_weights_from_disk`` read.
+
+Export streams. A whole stacked parameter never leaves its sharding: each parameter goes to the host in
+chunks (one layer of a stacked parameter, or a block of rows of a big one such as ``embed_tokens``, at most
+``max_chunk_bytes``), each sliced and cast to the export dtype on device by one small jitted program. In a
+single process the chunk keeps its sharding and the host assembles the shards (extra device memory: a
+1/n-th of a chunk per device); across processes the chunk is gathered replicated, so every process gets
+it (extra device memory: one chunk per device, where replicating the whole stacked parameter cost e.g.
++33.5 GB per GPU for Qwen3-32B's fp32 ``gate_proj``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -22,6 +32,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -36,6 +47,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json")
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Chunks travel as raw bits: XLA:CPU widens bf16/fp16 collectives to f32, which doubles the traffic and
+# adds an f32 temporary the size of the chunk.
+_BITS = {2: np.uint16, 4: np.uint32}
+DEFAULT_MAX_CHUNK_BYTES = 512 * 1024**2
 
 
 class CheckpointError(ValueError):
@@ -50,7 +65,9 @@ class TensorMap:
     hf: str  # HF name; "{i}" is the layer index for stacked parameters
     hf_shape: tuple[int, ...]
     to_ours: Callable[[np.ndarray], np.ndarray]
+    # ours (one layer) -> HF; must also map a block of rows along ``row_axis`` to the matching HF rows
     to_hf: Callable[[np.ndarray], np.ndarray]
+    row_axis: int = 0  # the axis of ours (one layer) whose blocks become blocks of HF rows (axis 0)
 
     @property
     def stacked(self) -> bool:
@@ -63,10 +80,11 @@ def tensor_maps(cfg: Qwen3Config) -> list[TensorMap]:
     ident = lambda a: a  # noqa: E731
     T = lambda a: np.ascontiguousarray(a.T)  # noqa: E731
 
-    def heads_in(n):  # HF [n*d, h] <-> ours [h, n, d]
-        return (lambda w: np.ascontiguousarray(w.T).reshape(h, n, d), lambda a: T(a.reshape(h, n * d)))
+    # to_hf reads sizes from its argument, so a block of heads (or of hidden rows) maps to a block of HF rows
+    def heads_in(n):  # HF [n*d, h] <-> ours [h, n, d]; rows = heads
+        return (lambda w: np.ascontiguousarray(w.T).reshape(h, n, d), lambda a: T(a.reshape(a.shape[0], -1)), 1)
 
-    o_in = (lambda w: np.ascontiguousarray(w.T).reshape(nq, d, h), lambda a: T(a.reshape(nq * d, h)))
+    o_in = (lambda w: np.ascontiguousarray(w.T).reshape(nq, d, h), lambda a: T(a.reshape(-1, a.shape[-1])), 2)
     L = "model.layers.{i}."
     maps = [
         TensorMap("embed_tokens", "model.embed_tokens.weight", (v, h), ident, ident),
@@ -78,13 +96,13 @@ def tensor_maps(cfg: Qwen3Config) -> list[TensorMap]:
         TensorMap("layers.q_norm", L + "self_attn.q_norm.weight", (d,), ident, ident),
         TensorMap("layers.k_norm", L + "self_attn.k_norm.weight", (d,), ident, ident),
         TensorMap("layers.post_attention_layernorm", L + "post_attention_layernorm.weight", (h,), ident, ident),
-        TensorMap("layers.gate_proj", L + "mlp.gate_proj.weight", (i, h), T, T),
-        TensorMap("layers.up_proj", L + "mlp.up_proj.weight", (i, h), T, T),
-        TensorMap("layers.down_proj", L + "mlp.down_proj.weight", (h, i), T, T),
+        TensorMap("layers.gate_proj", L + "mlp.gate_proj.weight", (i, h), T, T, 1),
+        TensorMap("layers.up_proj", L + "mlp.up_proj.weight", (i, h), T, T, 1),
+        TensorMap("layers.down_proj", L + "mlp.down_proj.weight", (h, i), T, T, 1),
         TensorMap("norm", "model.norm.weight", (h,), ident, ident),
     ]
     if not cfg.tie_word_embeddings:
-        maps.append(TensorMap("lm_head", "lm_head.weight", (v, h), T, T))
+        maps.append(TensorMap("lm_head", "lm_head.weight", (v, h), T, T, 1))
     return maps
 
 
@@ -216,12 +234,118 @@ def load_pretrained(
     return nnx.merge(graphdef, state)
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
+@dataclasses.dataclass(frozen=True)
+class ExportChunk:
+    """One device->host transfer: rows ``[start, start + rows)`` along ``tmap.row_axis`` of one layer of a
+    parameter (``layer`` is None for a parameter without a layer axis); ``total_rows`` is that axis' size."""
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    tmap: TensorMap
+    layer: int | None
+    start: int
+    rows: int
+    total_rows: int
+
+    @property
+    def hf_name(self) -> str:
+        return self.tmap.hf.format(i=self.layer)
+
+
+def export_chunks(
+    maps: list[TensorMap],
+    shapes: Mapping[str, tuple[int, ...]],
+    itemsize: int,
+    max_chunk_bytes: int,
+    row_shards: Mapping[str, int] | None = None,
+) -> list[ExportChunk]:
+    """The transfers of an export in file order: a stacked parameter [L, ...] layer by layer, and each
+    layer (or unstacked parameter) in blocks of rows of at most ``max_chunk_bytes`` at ``itemsize`` bytes
+    per element. ``shapes``: our parameter path -> its shape. ``row_shards``: path -> how many ways the
+    row axis is sharded; a block is a multiple of that many rows (at least one row per shard), so every
+    block keeps an even sharding."""
+    chunks = []
+    for m in maps:
+        shape = tuple(shapes[m.ours])
+        one = shape[1:] if m.stacked else shape
+        total = one[m.row_axis]
+        k = (row_shards or {}).get(m.ours, 1)
+        row_bytes = math.prod(one) // total * itemsize
+        rows = min(total, max(k, max_chunk_bytes // row_bytes // k * k))
+        for layer in range(shape[0]) if m.stacked else [None]:
+            chunks.extend(ExportChunk(m, layer, r, min(rows, total - r), total) for r in range(0, total, rows))
+    return chunks
+
+
+@functools.lru_cache(maxsize=512)
+def _chunk_jit(sharding, ndim: int, stacked: bool, row_axis: int, start: int, rows: int, total: int,
+               dtype: str, replicate: bool):
+    bits = _BITS[np.dtype(NP_DTYPES[dtype]).itemsize]
+    spec: tuple = ()
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+        spec = spec[1:] if stacked else spec
+    elif replicate:
+        raise ValueError(f"save_pretrained: cannot gather a parameter sharded with {sharding} across processes; "
+                         "place the model with a NamedSharding (ShardingCtx / shard_model)")
+    n = ndim - 1 if stacked else ndim
+    perm = tuple(range(n))
+    if replicate:
+        # Sharded dimensions first (in mesh-axis order): gathering along leading dimensions needs no
+        # chunk-sized temporary for a transpose; the host puts the axes back.
+        axes = list(sharding.mesh.axis_names)
+        first = lambda d: axes.index(spec[d] if isinstance(spec[d], str) else spec[d][0])  # noqa: E731
+        perm = tuple(sorted((d for d in perm if spec[d] is not None), key=first)) + tuple(
+            d for d in perm if spec[d] is None)
+
+    def chunk(x, layer):
+        c = jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) if stacked else x
+        if rows != total:
+            c = jax.lax.slice_in_dim(c, start, start + rows, axis=row_axis)
+        c = jnp.transpose(jax.lax.bitcast_convert_type(c.astype(dtype), bits), perm)
+        if spec:  # cast where the shards live, so only export-dtype bytes are gathered
+            moved = PartitionSpec(*(spec[d] for d in perm))
+            c = jax.lax.with_sharding_constraint(c, NamedSharding(sharding.mesh, moved))
+        return c
+
+    if replicate:
+        return jax.jit(chunk, out_shardings=NamedSharding(sharding.mesh, PartitionSpec())), perm
+    if spec:
+        return jax.jit(chunk, out_shardings=NamedSharding(sharding.mesh, PartitionSpec(*spec))), perm
+    return jax.jit(chunk), perm
+
+
+def chunk_program(x: jax.Array, c: ExportChunk, dtype: str, *, replicate: bool | None = None):
+    """``(fn, perm)``: the jitted ``fn(x, layer int32)`` returns chunk c cast to ``dtype`` on device, as raw
+    bits (uint16/uint32), with its axes in the order ``perm`` of our per-layer layout. ``replicate``
+    (default: when x spans processes) puts the output on every device; otherwise it keeps x's sharding and
+    the host assembles the shards."""
+    if replicate is None:
+        replicate = not x.is_fully_addressable
+    return _chunk_jit(x.sharding, x.ndim, c.tmap.stacked, c.tmap.row_axis, c.start, c.rows, c.total_rows,
+                      dtype, replicate)
+
+
+def _row_shards(x: jax.Array, m: TensorMap) -> int:
+    """How many ways ``x``'s row axis is split across devices."""
+    sh = x.sharding
+    axis = m.row_axis + (1 if m.stacked else 0)
+    if not isinstance(sh, NamedSharding) or axis >= len(sh.spec) or sh.spec[axis] is None:
+        return 1
+    names = sh.spec[axis] if isinstance(sh.spec[axis], tuple) else (sh.spec[axis],)
+    return math.prod(sh.mesh.shape[a] for a in names)
+
+
+def _fetch(x: jax.Array, c: ExportChunk, dtype: str, to_host: bool) -> np.ndarray | None:
+    replicate = not x.is_fully_addressable
+    fn, perm = chunk_program(x, c, dtype, replicate=replicate)
+    out = fn(x, np.int32(c.layer or 0))
+    if to_host:
+        bits = np.asarray(out.addressable_data(0) if replicate else out)
+        if perm != tuple(range(len(perm))):
+            bits = np.ascontiguousarray(np.transpose(bits, np.argsort(perm)))
+    else:  # a process that does not write still takes part in the gather, one chunk at a time
+        out.block_until_ready()
+    out.delete()  # free the device buffers now, whoever still holds the Python object
+    return bits.view(NP_DTYPES[dtype]) if to_host else None
 
 
 def save_pretrained(
@@ -230,23 +354,35 @@ def save_pretrained(
     dtype: str = "bfloat16",
     *,
     max_shard_bytes: int = 4 * 1024**3,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     tokenizer_dir: str | os.PathLike | None = None,
+    write: bool | None = None,
 ) -> Path:
     """Write an HF directory: config.json, ``model-0000k-of-0000n.safetensors`` and the index.
 
-    Tensors are written parameter by parameter (all layers of ``q_proj``, then ``k_proj``...), so one
-    stacked parameter is on the host at a time. The directory appears atomically (written beside it, then
-    renamed), so a reader never sees half a checkpoint. Every process must call this (it gathers sharded
-    arrays); only process 0 writes.
+    Parameters stream to the host in chunks cast to ``dtype`` on device: one layer of a stacked parameter
+    at a time, split into blocks of rows of at most ``max_chunk_bytes`` (an unstacked ``embed_tokens``
+    [V, H] / ``lm_head`` [H, V] by vocab rows). Extra device memory: one chunk per device (plus its local
+    shard) when the model spans processes, that chunk's local shard otherwise. Host memory: the tensors of
+    the safetensors file being filled (up to ``max_shard_bytes``, or one tensor if larger; safetensors
+    copies them once more while writing) plus one chunk. The directory appears atomically (written beside
+    it, then renamed), so a reader never sees half a checkpoint. Files are byte-identical to a host-side
+    cast of the gathered parameters (the device cast rounds to nearest even, as ml_dtypes does).
+
+    Every process must call this (the gathers are collectives). ``write`` says whether this process
+    writes files: default process 0 only; ``write=True`` on every process gives each host its own
+    complete copy (for a node-local ``out_dir``; one writer per filesystem).
     """
     if dtype not in NP_DTYPES:
         raise ValueError(f"save_pretrained: dtype={dtype!r}; use one of {sorted(NP_DTYPES)}")
+    if max_chunk_bytes <= 0:
+        raise ValueError(f"save_pretrained: max_chunk_bytes={max_chunk_bytes} must be positive")
     cfg: Qwen3Config = model.config
     out_dir = Path(out_dir)
     np_dtype = NP_DTYPES[dtype]
     itemsize = np.dtype(np_dtype).itemsize
     maps = tensor_maps(cfg)
-    writer = jax.process_index() == 0
+    writer = jax.process_index() == 0 if write is None else bool(write)
 
     # Plan shards from shapes alone, so the names carry the total ("-of-0000n") before anything is written.
     plan: list[list[str]] = [[]]
@@ -263,24 +399,38 @@ def save_pretrained(
     shard_of = {name: k for k, names in enumerate(plan) for name in names}
     fname = (lambda k: SINGLE_NAME) if n == 1 else (lambda k: f"model-{k + 1:05d}-of-{n:05d}.safetensors")
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{jax.process_index()}-{os.getpid()}")
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    params = {m.ours: _get_attr(model, m.ours)[...] for m in maps}
     pending: dict[int, dict[str, np.ndarray]] = {}
     remaining = {k: len(names) for k, names in enumerate(plan)}
-    for m in maps:
-        value = _to_host(_get_attr(model, m.ours)[...]).astype(np_dtype)
-        for layer in range(cfg.num_hidden_layers) if m.stacked else [None]:
-            name = m.hf.format(i=layer)
-            k = shard_of[name]
-            pending.setdefault(k, {})[name] = m.to_hf(value[layer] if m.stacked else value)
-            remaining[k] -= 1
-            if remaining[k] == 0:
-                tensors = pending.pop(k)
-                if writer:
-                    save_file(tensors, str(tmp / fname(k)), metadata={"format": "pt"})
-        del value
+    partial: dict[str, np.ndarray] = {}  # HF tensors that arrive in several chunks, being filled
+    chunks = export_chunks(maps, {k: v.shape for k, v in params.items()}, itemsize, max_chunk_bytes,
+                           {m.ours: _row_shards(params[m.ours], m) for m in maps})
+    for c in chunks:
+        block = _fetch(params[c.tmap.ours], c, dtype, to_host=writer)
+        if block is None:
+            continue
+        name, rows = c.hf_name, c.tmap.to_hf(block)
+        del block
+        if c.rows == c.total_rows:
+            tensor = rows
+        else:
+            buf = partial.setdefault(name, np.empty(c.tmap.hf_shape, np_dtype))
+            per = c.tmap.hf_shape[0] // c.total_rows  # HF rows per row of ours (head_dim for q/k/v)
+            buf[c.start * per:(c.start + c.rows) * per] = rows
+            if c.start + c.rows < c.total_rows:
+                continue
+            tensor = partial.pop(name)
+        if tensor.shape != c.tmap.hf_shape:
+            raise CheckpointError(f"internal: {c.tmap.ours} -> {name} gave {tensor.shape}, expected {c.tmap.hf_shape}")
+        k = shard_of[name]
+        pending.setdefault(k, {})[name] = tensor
+        remaining[k] -= 1
+        if remaining[k] == 0:
+            save_file(pending.pop(k), str(tmp / fname(k)), metadata={"format": "pt"})
     if not writer:
         return out_dir
     if n > 1:
@@ -293,7 +443,7 @@ def save_pretrained(
             src = Path(tokenizer_dir) / f
             if src.is_file():
                 shutil.copy2(src, tmp / f)
-    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    old = out_dir.with_name(f".{out_dir.name}.old-{jax.process_index()}-{os.getpid()}")
     if out_dir.exists():
         out_dir.rename(old)
     tmp.rename(out_dir)

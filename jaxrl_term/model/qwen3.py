@@ -9,12 +9,15 @@ Every parameter carries ``logical_axes`` metadata that ``parallel.mesh`` turns i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrl_term.parallel.mesh import ShardingCtx
@@ -143,6 +146,9 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
+ATTENTION_KINDS = ("dot_product_attention", "xla", "blockwise", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     """How to run the architecture: dtypes, rematerialisation, attention kernel, LM head precision."""
@@ -150,16 +156,29 @@ class ModelOptions:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: str = "none"  # none | full | dots | dots_all | nothing_saveable
-    attention: str = "dot_product_attention"  # jax.nn.dot_product_attention (cuDNN on GPU) | xla (our einsum)
+    # dot_product_attention: jax.nn.dot_product_attention, XLA path with a dense [B, T, T] mask (short rows, CPU)
+    # xla: our einsum with the same dense mask | blockwise: our flash attention in JAX, O(T x block) memory
+    # cudnn: cuDNN's fused flash attention (GPU; causal + right-padding lengths; no packing)
+    attention: str = "dot_product_attention"
+    attention_block: int = 512  # query/key block of the blockwise kernel
+    mlp_chunk: int = 0  # tokens per MLP chunk (bounds [T, intermediate] activations at long T); 0 = whole rows
+    remat_groups: int = 0  # G >= 1: nested remat, G groups of L/G layers (saves G + L/G layer inputs, not L)
     lm_head_fp32: bool = True  # fp32 logits from fp32-cast hidden states (engine and trainer alike)
     logits_chunk: int = 0  # sequence chunk for lm_head_map; 0 = whole sequence at once
     precision: str = "default"  # matmul precision of the body: default | high | highest
+    unroll: bool = False  # unroll the layer / logit-chunk / microbatch loops (the planner's FLOP count)
 
     def __post_init__(self):
         if self.remat != "none" and self.remat not in REMAT_POLICIES:
             raise ModelConfigError(f"model.remat={self.remat!r}; use none or one of {sorted(REMAT_POLICIES)}")
-        if self.attention not in ("xla", "dot_product_attention"):
-            raise ModelConfigError(f"model.attention={self.attention!r}; use 'xla' or 'dot_product_attention'")
+        if self.attention not in ATTENTION_KINDS:
+            raise ModelConfigError(f"model.attention={self.attention!r}; use one of {ATTENTION_KINDS}")
+        if self.mlp_chunk < 0 or self.remat_groups < 0:
+            raise ModelConfigError("model.mlp_chunk and model.remat_groups must be >= 0")
+        if self.remat_groups and self.remat == "none":
+            raise ModelConfigError("model.remat_groups needs a remat policy (e.g. model.remat=full)")
+        if self.attention_block < 8:
+            raise ModelConfigError(f"model.attention_block={self.attention_block}; use a block of >= 8 tokens")
         for f in ("param_dtype", "compute_dtype"):
             if getattr(self, f) not in ("float32", "bfloat16", "float16"):
                 raise ModelConfigError(f"model.{f}={getattr(self, f)!r}; use float32, bfloat16 or float16")
@@ -224,6 +243,74 @@ def dot_attention(q, k, v, mask, scale: float, precision=None) -> jax.Array:
     return o.reshape(b, t, nq, d)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def embed_lookup(table: jax.Array, ids: jax.Array, shard: ShardingCtx) -> jax.Array:
+    """table [V, H], ids [B, T] -> [B, T, H] (table's dtype), without ever gathering the table.
+
+    The table stays sharded on its hidden dimension (as stored, FSDP over ``embed``): every device looks up all
+    rows' ids in its own hidden slice ([B, T, H/n]; ids are tiny), and the caller's batch constraint turns that
+    into batch-sharded rows (an all-to-all). The backward pass mirrors it, scatter-adding into the local
+    [V, H/n] slice, so no device ever holds a whole [V, H] gradient (XLA's default: a full-table all-reduce).
+    """
+    return _embed_lookup(table, ids, shard)
+
+
+def _embed_lookup(table, ids, shard):
+    ids = shard.constrain(ids, (None, None))
+    table = shard.constrain(table, (None, "embed"))
+    return shard.constrain(jnp.take(table, ids, axis=0), (None, None, "embed"))
+
+
+def _embed_fwd(table, ids, shard):
+    return _embed_lookup(table, ids, shard), (table, ids)
+
+
+def _embed_bwd(shard, res, g):
+    table, ids = res
+    g = shard.constrain(g.astype(table.dtype), (None, None, "embed"))
+    ids = shard.constrain(ids, (None, None))
+    dt = shard.constrain(jnp.zeros(table.shape, table.dtype), (None, "embed")).at[ids].add(g)
+    return shard.constrain(dt, (None, "embed")), None
+
+
+embed_lookup.defvjp(_embed_fwd, _embed_bwd)
+
+
+def remat_saving_bits(fn: Callable) -> Callable:
+    """``jax.checkpoint`` (save nothing but the input) for ``fn(x, p, ctx) -> y``, where a 16-bit ``x`` is saved
+    as its raw bits. ``ctx`` (rope tables, attention masks) gets no gradient.
+
+    A scan over rematerialised layers keeps every layer's input for the backward pass: [L, B, T, H], the largest
+    activation at long context. Saved as bf16, XLA may still widen the whole stack to fp32 before the backward
+    loop (XLA:CPU does: convert hoisting, 2x the bytes, plus the bf16 original); saved as uint16 bits nothing can
+    be widened, and the backward pass bitcasts each layer's input back. fp32 inputs are saved as they are.
+    """
+
+    @jax.custom_vjp
+    def f(x, p, ctx):
+        return fn(x, p, ctx)
+
+    def fwd(x, p, ctx):
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+        return fn(x, p, ctx), (bits, p, ctx)
+
+    def bwd(res, dy):
+        bits, p, ctx = res
+        x = jax.lax.bitcast_convert_type(bits, dy.dtype) if bits.dtype == jnp.uint16 else bits
+        _, vjp = jax.vjp(lambda x, p: fn(x, p, ctx), x, p)
+        dx, dp = vjp(dy)
+        return dx, dp, jax.tree.map(_zero_cotangent, ctx)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+        return jnp.zeros_like(a)
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
 # ---------------------------------------------------------------------------------------------- modules
 
 
@@ -275,12 +362,46 @@ class DecoderLayers(nnx.Module):
         return {name: getattr(self, name)[...] for name in LAYER_PARAMS}
 
 
+@flax.struct.dataclass
+class AttentionInputs:
+    """What the attention kernels need to mask, built once per forward: the dense kernels take ``mask``
+    [B, T, T] bool; ``blockwise`` takes ``segment_ids`` [B, T] (0 = padding, equal ids attend, causal by index);
+    ``cudnn`` takes ``lengths`` [B] (right-padded rows). Unused fields cost nothing (XLA drops them)."""
+
+    mask: jax.Array | None
+    segment_ids: jax.Array
+    lengths: jax.Array
+
+
+def attention_inputs(attention_mask: jax.Array, segment_ids: jax.Array | None, kind: str) -> AttentionInputs:
+    seg = attention_mask.astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    dense = kind in ("xla", "dot_product_attention")
+    return AttentionInputs(make_attention_mask(attention_mask, segment_ids) if dense else None, seg,
+                           jnp.sum(attention_mask.astype(jnp.int32), axis=-1))
+
+
+def attend(q, k, v, a: AttentionInputs, opts: ModelOptions, scale: float, precision=None) -> jax.Array:
+    """q: [B, T, Nq, D], k/v: [B, T, Nkv, D] -> [B, T, Nq, D] with the configured kernel."""
+    if opts.attention == "xla":
+        return dot_attention(q, k, v, a.mask, scale, precision)
+    if opts.attention == "dot_product_attention":
+        return jax.nn.dot_product_attention(q, k, v, mask=a.mask[:, None], scale=scale)
+    if opts.attention == "blockwise":
+        from jaxrl_term.model.attention import blockwise_attention
+
+        return blockwise_attention(q, k, v, segment_ids=a.segment_ids, scale=scale, block_q=opts.attention_block,
+                                   block_k=opts.attention_block)
+    # cuDNN flash attention: causal by index, padding by length (rows are right-padded; packing is refused)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, query_seq_lengths=a.lengths,
+                                        key_value_seq_lengths=a.lengths, implementation="cudnn")
+
+
 def decoder_layer(
     x: jax.Array,
     p: Mapping[str, jax.Array],
     cos: jax.Array,
     sin: jax.Array,
-    mask: jax.Array,
+    attn: AttentionInputs,
     cfg: Qwen3Config,
     opts: ModelOptions,
     shard: ShardingCtx,
@@ -288,7 +409,9 @@ def decoder_layer(
     """One pre-norm block: x + attn(norm(x)); x + mlp(norm(x)). x: [B, T, H] in compute dtype."""
     cd, eps = opts.cdtype, cfg.rms_norm_eps
     prec = None if opts.precision == "default" else opts.precision
-    pc = {k: v.astype(cd) for k, v in p.items()}
+    # FSDP: this layer's weights, cast to the compute dtype, are gathered over the data axes once here (the
+    # parameter keeps its fully sharded layout); sequence-chunked blocks below reuse the gathered copy.
+    pc = {k: shard.constrain(v.astype(cd), _gathered_axes(k)) for k, v in p.items()}
 
     h = rms_norm(x, pc["input_layernorm"], eps)
     q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"], precision=prec)
@@ -298,20 +421,56 @@ def decoder_layer(
     k = shard.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
     q = apply_rope(rms_norm(q, pc["q_norm"], eps), cos, sin)
     k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    if opts.attention == "xla":
-        o = dot_attention(q, k, v, mask, scale, prec)
-    else:
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+    o = attend(q, k, v, attn, opts, 1.0 / math.sqrt(cfg.head_dim), prec)
     x = x + jnp.einsum("btnd,ndh->bth", o, pc["o_proj"], precision=prec)
     x = shard.constrain(x, ACT)
 
-    h = rms_norm(x, pc["post_attention_layernorm"], eps)
-    gate = jnp.einsum("bth,hi->bti", h, pc["gate_proj"], precision=prec)
-    up = jnp.einsum("bth,hi->bti", h, pc["up_proj"], precision=prec)
-    act = shard.constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
-    x = x + jnp.einsum("bti,ih->bth", act, pc["down_proj"], precision=prec)
+    def mlp(xc):
+        h = rms_norm(xc, pc["post_attention_layernorm"], eps)
+        gate = jnp.einsum("bth,hi->bti", h, pc["gate_proj"], precision=prec)
+        up = jnp.einsum("bth,hi->bti", h, pc["up_proj"], precision=prec)
+        act = shard.constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
+        return jnp.einsum("bti,ih->bth", act, pc["down_proj"], precision=prec)
+
+    x = x + sequence_chunked(mlp, x, opts.mlp_chunk, opts.unroll)
     return shard.constrain(x, ACT)
+
+
+# Logical axes of one layer's weights once gathered for use: the FSDP axis ("embed") is dropped, tensor
+# parallel axes stay (indexing LAYER_PARAMS' shapes without the leading "layers" axis).
+_LAYER_AXES = {
+    "input_layernorm": ("norm",),
+    "q_proj": ("embed", "q_heads", "head_dim"),
+    "k_proj": ("embed", "kv_heads", "head_dim"),
+    "v_proj": ("embed", "kv_heads", "head_dim"),
+    "o_proj": ("q_heads", "head_dim", "embed"),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "post_attention_layernorm": ("norm",),
+    "gate_proj": ("embed", "mlp"),
+    "up_proj": ("embed", "mlp"),
+    "down_proj": ("mlp", "embed"),
+}
+
+
+def _gathered_axes(name: str) -> tuple[str | None, ...]:
+    return tuple(None if a == "embed" else a for a in _LAYER_AXES[name])
+
+
+def sequence_chunked(fn: Callable, x: jax.Array, chunk: int, unroll: bool = False) -> jax.Array:
+    """``fn`` applied to sequence chunks of ``x`` [B, T, H] -> [B, T, H'], one chunk alive at a time.
+
+    For token-wise blocks (the MLP): at T = 32k the MLP's [T, intermediate] activations are gigabytes per layer;
+    chunks of ``chunk`` tokens bound them, and each chunk is rematerialised in the backward pass. 0 = no chunks.
+    """
+    b, t = x.shape[:2]
+    if not chunk or chunk >= t:
+        return fn(x)
+    n = -(-t // chunk)
+    xp = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+    xs = jnp.moveaxis(xp.reshape(b, n, chunk, *x.shape[2:]), 1, 0)
+    _, ys = jax.lax.scan(lambda _, xc: (None, jax.checkpoint(fn)(xc)), None, xs, unroll=unroll or 1)
+    return jnp.moveaxis(ys, 0, 1).reshape(b, n * chunk, *ys.shape[3:])[:, :t]
 
 
 def decoder_layer_cached(
@@ -403,19 +562,37 @@ class Qwen3(nnx.Module):
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
         if positions is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
-        mask = make_attention_mask(attention_mask, segment_ids)
-        # Gather from a vocab-replicated view of the table (sharded on embed only), then reshard by batch.
-        table = self.shard.constrain(self.embed_tokens[...], (None, "embed"))
-        x = jnp.take(table, input_ids, axis=0).astype(opts.cdtype)
+        attn = attention_inputs(attention_mask, segment_ids, opts.attention)
+        x = embed_lookup(self.embed_tokens[...], input_ids, self.shard).astype(opts.cdtype)
         x = self.shard.constrain(x, ACT)
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
 
-        def body(carry, p):
-            return decoder_layer(carry, p, cos, sin, mask, cfg, opts, self.shard), None
+        ctx = (cos, sin, attn)
 
-        if opts.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[opts.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, self.layers.stacked())
+        def layer(x, p, ctx):
+            return decoder_layer(x, p, *ctx, cfg, opts, self.shard)
+
+        if opts.remat == "full":
+            layer = remat_saving_bits(layer)
+        elif opts.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[opts.remat], prevent_cse=False)
+        stacked, unroll = self.layers.stacked(), opts.unroll or 1
+
+        def layers(x, ps, ctx):
+            return jax.lax.scan(lambda c, p: (layer(c, p, ctx), None), x, ps, unroll=unroll)[0]
+
+        groups = opts.remat_groups
+        if groups >= 1:
+            # Nested remat: the outer scan saves only each group's input; a group's backward recomputes its
+            # forward, saving its L/G layer inputs, and each layer's backward recomputes the layer.
+            if cfg.num_hidden_layers % groups:
+                raise ModelConfigError(f"model.remat_groups={groups} must divide num_hidden_layers "
+                                       f"({cfg.num_hidden_layers})")
+            grouped = jax.tree.map(lambda a: a.reshape(groups, a.shape[0] // groups, *a.shape[1:]), stacked)
+            group = remat_saving_bits(layers)
+            x = jax.lax.scan(lambda c, gp: (group(c, gp, ctx), None), x, grouped, unroll=unroll)[0]
+        else:
+            x = layers(x, stacked, ctx)
         return rms_norm(x, self.norm[...], cfg.rms_norm_eps)
 
     # -- head -------------------------------------------------------------------------------------
@@ -460,7 +637,8 @@ class Qwen3(nnx.Module):
             h, rest = inp
             return None, fn(self.logits(h), *rest)
 
-        _, ys = jax.lax.scan(body, None, (split(hidden), tuple(split(x) for x in xs)))
+        _, ys = jax.lax.scan(body, None, (split(hidden), tuple(split(x) for x in xs)),
+                             unroll=self.options.unroll or 1)
         return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(b, n * chunk, *y.shape[3:])[:, :t], ys)
 
     def forward_cached(

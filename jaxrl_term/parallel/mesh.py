@@ -21,13 +21,14 @@ log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# The default table: FSDP over the embedding dimension, tensor parallelism over heads / MLP / vocab,
-# the batch over data x fsdp. Kept here so library users without Hydra get the same behaviour as
+# The default table: parameters (and so optimizer state and gradients) fully sharded over every
+# data-parallel device (the embedding dimension over data x fsdp: ZeRO-3 / FSDP "full shard"), tensor
+# parallelism over heads / MLP / vocab, the batch over data x fsdp. Kept here so library users without Hydra get the same behaviour as
 # conf/mesh/default.yaml (a test checks the two agree).
 DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("data", "fsdp"),
     "mlp": "tensor",
     "q_heads": "tensor",
     "kv_heads": "tensor",

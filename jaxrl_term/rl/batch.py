@@ -101,8 +101,8 @@ def make_batch(
     pad_id: int = 0,
     vocab_size: int | None = None,
 ) -> Batch:
-    """Samples -> a padded ``Batch`` (numpy). Rows are padded to a multiple of ``row_multiple``
-    (microbatches x data-parallel shards) with empty rows that carry no loss."""
+    """Samples -> a padded ``Batch`` (numpy). Rows are padded to a multiple of ``row_multiple`` (the
+    data-parallel shard count; see ``microbatch_layout``) with empty rows that carry no loss."""
     if not samples:
         raise BatchError("make_batch: no samples")
     checked = [_validate(i, s) for i, s in enumerate(samples)]
@@ -155,6 +155,23 @@ def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[in
             rows.append([i])
             free.append(capacity - lengths[i])
     return rows
+
+
+def microbatch_layout(rows: int, shards: int, microbatches: int = 1) -> tuple[int, int]:
+    """(M, b): how ``rows`` trajectory rows run as M microbatches of b rows on ``shards`` data-parallel shards.
+
+    Rows are padded only to a multiple of the shard count (R rows per shard), never to
+    ``microbatches x shards``: 32 trajectories on 32 shards are one microbatch of 32 rows, not 16 microbatches
+    of 32 rows (512 rows, 16x the compute). ``microbatches`` bounds memory: a microbatch holds at most
+    ceil(R / microbatches) rows per shard; among the divisors k of R within that bound the largest is used,
+    so there are at least ``microbatches`` microbatches whenever R allows it, and M x b = R x shards exactly.
+    """
+    if rows < 1 or shards < 1:
+        raise BatchError(f"microbatch_layout: rows={rows} and shards={shards} must be positive")
+    per_shard = -(-rows // shards)
+    k_max = max(1, -(-per_shard // max(int(microbatches), 1)))
+    k = max(d for d in range(1, k_max + 1) if per_shard % d == 0)
+    return per_shard // k, k * shards
 
 
 def to_microbatches(batch: Batch, n: int) -> Batch:

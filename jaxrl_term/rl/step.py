@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl_term.model.qwen3 import ModelOptions, Qwen3, Qwen3Config
 from jaxrl_term.parallel.mesh import LogicalRules, ShardingCtx, make_mesh, state_shardings
-from jaxrl_term.rl.batch import Batch, from_microbatches, to_microbatches
+from jaxrl_term.rl.batch import Batch, from_microbatches, microbatch_layout, to_microbatches
 from jaxrl_term.rl.logprobs import sequence_logprobs
 from jaxrl_term.rl.losses import POLICY_LOSSES, aggregate, kl_penalty
 
@@ -54,7 +54,7 @@ class AlgoConfig:
     aggregation: str = "token-mean"
     norm_len: Optional[int] = None
     temperature: float = 1.0  # the sampling temperature (the trainer sets it from rollout.temperature)
-    microbatches: int = 1
+    microbatches: int = 1  # at least this many microbatches (memory); rows are padded only to the shard count
 
     def __post_init__(self):
         if self.loss not in POLICY_LOSSES:
@@ -138,6 +138,7 @@ class TrainStep:
     batch_sharding: NamedSharding
     _step: Any = None
     _logprobs: Any = None
+    _grad_step: Any = None
 
     # -- state ------------------------------------------------------------------------------------
     def init_state(self, params, seed: int = 0) -> TrainState:
@@ -159,18 +160,34 @@ class TrainStep:
         params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _abstract_params(self)[1])
         return TrainState(params, self.optimizer.init(params), jnp.zeros((), jnp.int32), jax.random.PRNGKey(0))
 
+    def grad_bytes_per_device(self) -> float:
+        """Bytes of one microbatch's gradients on one device (sharded like the parameters, param dtype)."""
+        total = 0
+        for s, sh in zip(jax.tree.leaves(_abstract_params(self)[1]), jax.tree.leaves(self.param_shardings)):
+            total += int(np.prod(sh.shard_shape(s.shape))) * np.dtype(s.dtype).itemsize
+        return float(total)
+
     def model(self, params) -> Qwen3:
         return nnx.merge(self.graphdef, params)
 
     # -- batches ----------------------------------------------------------------------------------
+    @property
+    def shards(self) -> int:
+        """Data-parallel shards: the batch's rows are split over data x fsdp."""
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+    def layout(self, rows: int) -> tuple[int, int]:
+        """(M, b) for a batch of ``rows`` rows (a multiple of ``shards``): see ``rl.batch.microbatch_layout``."""
+        return microbatch_layout(rows, self.shards, self.algo.microbatches)
+
     def place_batch(self, batch: Batch) -> Batch:
-        mb = to_microbatches(batch, self.algo.microbatches)
-        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        if mb.tokens.shape[1] % shards:
+        rows = batch.tokens.shape[0]
+        if rows % self.shards:
             raise ValueError(
-                f"{mb.tokens.shape[1]} rows per microbatch do not divide over {shards} data-parallel shards; "
-                f"build the batch with row_multiple={self.algo.microbatches * shards}"
+                f"{rows} rows do not divide over {self.shards} data-parallel shards; "
+                f"build the batch with row_multiple={self.shards}"
             )
+        mb = to_microbatches(batch, self.layout(rows)[0])
         # every process holds the whole batch: each device takes its slice (multi-host safe)
         return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, self.batch_sharding,
                                                                    lambda idx, x=x: x[idx]), mb)
@@ -265,37 +282,64 @@ def make_train_step(
         return aggregate(jnp.zeros_like(mask), mask, algo.aggregation, segment_ids=x.segment_ids,
                          norm_len=algo.norm_len)[1]
 
-    def train_step(state: TrainState, mb: Batch):
+    def gradients(params, mb: Batch):
+        """The batch gradient (fp32) of numerator / global denominator, whether it can be applied (``ok``: some
+        loss tokens and a finite norm), and the step's metrics except the learning rate.
+
+        The denominator is known before any backward pass (it only reads the masks), so each microbatch's
+        numerator is divided by it up front: the accumulated gradient is already the batch gradient, with no
+        separate model-sized division pass.
+        """
         denom = jax.vmap(denominator)(mb).sum()
         tokens = mb.loss_mask.sum()
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        _, metric_shape = jax.eval_shape(numerator, state.params, jax.tree.map(lambda a: a[0], mb))
-        metric0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shape)
+        safe_denom = jnp.maximum(denom, 1e-8)
+
+        def scaled(p, x):
+            num, sums = numerator(p, x)
+            return num / safe_denom, (num, sums)
+
+        grad_fn = jax.value_and_grad(scaled, has_aux=True)
 
         def micro(carry, x):
             grads, num_acc, m_acc = carry
-            (num, sums), g = jax.value_and_grad(numerator, has_aux=True)(state.params, x)
+            (_, (num, sums)), g = grad_fn(params, x)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
             m_acc = {k: (jnp.maximum(m_acc[k], v) if k == "logp_gap_max" else m_acc[k] + v) for k, v in sums.items()}
             return (grads, num_acc + num, m_acc), None
 
-        (grads, num, msum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), metric0), mb)
-        safe_denom = jnp.maximum(denom, 1e-8)
-        grads = jax.tree.map(lambda g: g / safe_denom, grads)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        _, metric_shape = jax.eval_shape(numerator, params, jax.tree.map(lambda a: a[0], mb))
+        metric0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shape)
+        (grads, num, msum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), metric0), mb,
+                                             unroll=options.unroll or 1)
         grad_norm = optax.global_norm(grads)
         # An all-masked batch or a non-finite gradient skips the update: params never become NaN.
         ok = (denom > 0) & jnp.isfinite(grad_norm)
-        grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
-        updates, new_opt = ts.optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-        key, _ = jax.random.split(state.rng)
-        new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state), state.step + 1, key)
         ntok = jnp.maximum(tokens, 1.0)
         metrics = {k: (v if k == "logp_gap_max" else v / ntok) for k, v in msum.items()}
-        metrics.update(loss=num / safe_denom, grad_norm=grad_norm, lr=schedule(state.step), tokens=tokens,
+        metrics.update(loss=num / safe_denom, grad_norm=grad_norm, tokens=tokens,
                        skipped=1.0 - ok.astype(jnp.float32), denominator=denom)
-        return new_state, metrics
+        return grads, ok, metrics
+
+    def apply(params, opt_state, grads):
+        updates, new_opt = ts.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt
+
+    def train_step(state: TrainState, mb: Batch):
+        grads, ok, metrics = gradients(state.params, mb)
+        # A skipped update leaves params and optimizer state bit-identical. lax.cond rather than
+        # where(ok, new, old): with `where` the old buffers must outlive the new ones, so XLA copies every
+        # donated parameter and moment (three model-sized copies per device); the cond updates them in place.
+        params, opt_state = jax.lax.cond(ok, apply, lambda p, o, g: (p, o), state.params, state.opt_state, grads)
+        key, _ = jax.random.split(state.rng)
+        metrics["lr"] = schedule(state.step)
+        return TrainState(params, opt_state, state.step + 1, key), metrics
+
+    # The gradient alone (for an optimizer that lives elsewhere, e.g. on the host): grads sharded like the
+    # parameters, in fp32; apply them only when ``ok``.
+    grad_shardings = ts.param_shardings
+    ts._grad_step = jax.jit(gradients, in_shardings=(ts.param_shardings, batch_sh),
+                            out_shardings=(grad_shardings, replicated, replicated))
 
     ts._step = jax.jit(
         train_step,

@@ -7,6 +7,12 @@ every active slot, and resolves each request when it stops. Shapes are bucketed 
 attended cache length) so a handful of programs are compiled. Sampling: temperature, top-p, top-k, a
 per-request seed (a request's randomness does not depend on what it is batched with); the log-prob of each
 sampled token is the fp32 log-softmax of logits / temperature, what the trainer recomputes.
+
+Pause modes follow SGLang's ``/pause_generation`` (>= 0.5.6): ``abort`` ends every request (running, waiting
+and queued) with finish ``abort``; ``in_place`` keeps running requests in their slots with their K/V;
+``retract`` frees their slots and puts them back at the head of the waiting list, so after ``resume`` they are
+prefilled again (prompt + the tokens generated so far) under whatever weights are then loaded. ``pause``
+returns once the engine thread has done this.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from flax import nnx
 from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
+PAUSE_MODES = ("abort", "in_place", "retract")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +133,7 @@ class JaxEngine:
         self._waiting: list[_Request] = []
         self._lock = threading.Lock()
         self._pending: tuple[Any, int] | None = None
+        self._control: queue.Queue[tuple[str, threading.Event]] = queue.Queue()  # pause requests for the thread
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._seed_counter = 0
@@ -184,11 +192,34 @@ class JaxEngine:
     async def health(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def pause(self, mode: str = "in_place") -> None:
-        """``in_place``: hold every request where it is; ``abort``: end in-flight ones with finish ``abort``."""
+    @property
+    def pending_update(self) -> bool:
+        """New weights are loaded but wait for the running requests to finish (not paused)."""
+        return self._pending is not None
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running: requests holding a slot, waiting: requests queued for one)."""
+        return sum(r is not None for r in self.slots), len(self._waiting) + self._queue.qsize()
+
+    def pause(self, mode: str = "in_place", timeout_s: float = 60.0) -> None:
+        """Stop decoding; ``mode`` (SGLang's): ``in_place`` holds running requests where they are, ``abort``
+        ends every request with finish ``abort``, ``retract`` frees their slots and requeues them. Returns when
+        the engine thread has done it. New requests queue until ``resume``."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}; use one of {PAUSE_MODES}")
+        done = threading.Event()
+        self._control.put((mode, done))
         self._paused.set()
-        if mode == "abort":
-            self._abort_all = True
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            if not done.wait(timeout_s):
+                raise EngineError(f"pause({mode!r}): the engine thread did not answer within {timeout_s:.0f}s")
+
+    def abort_all(self, timeout_s: float = 60.0) -> None:
+        """End every request with finish ``abort`` without pausing (SGLang's ``abort_all_requests``)."""
+        was_paused = self._paused.is_set()
+        self.pause("abort", timeout_s)
+        if not was_paused:
+            self.resume()
 
     def resume(self) -> None:
         self._paused.clear()
@@ -226,8 +257,6 @@ class JaxEngine:
         req.loop.call_soon_threadsafe(lambda: req.future.done() or req.future.set_exception(exc))
 
     # -- the engine thread ------------------------------------------------------------------------
-    _abort_all = False
-
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
@@ -240,24 +269,42 @@ class JaxEngine:
                         self.slots[i] = None
                 self.slot_cache = [[] for _ in self.slot_cache]
 
-    def _step(self) -> None:
-        if self._abort_all:
-            self._abort_all = False
-            for i, r in enumerate(self.slots):
-                if r is not None:
+    def _apply_control(self) -> None:
+        while True:
+            try:
+                mode, done = self._control.get_nowait()
+            except queue.Empty:
+                return
+            if mode == "abort":
+                self._drain_queue()
+                for r in self._waiting:
                     self._finish(r, "abort")
-                    self.slots[i] = None
+                self._waiting.clear()
+                for i, r in enumerate(self.slots):
+                    if r is not None:
+                        self._finish(r, "abort")
+                        self.slots[i] = None
+            elif mode == "retract":  # first in line after resume, re-prefilled with their output so far
+                self._waiting[:0] = [r for r in self.slots if r is not None]
+                self.slots = [None] * len(self.slots)
+            done.set()
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        self._apply_control()
         if self._paused.is_set():
             self._apply_pending()
             time.sleep(0.005)
             return
         if self._pending is not None and not any(self.slots):
             self._apply_pending()
-        while True:
-            try:
-                self._waiting.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        self._drain_queue()
         while self._waiting and None in self.slots and self._pending is None:
             self._admit(self._waiting.pop(0))
         if not any(self.slots):
@@ -269,20 +316,22 @@ class JaxEngine:
         self._decode_all()
 
     def _admit(self, req: _Request) -> None:
+        seq = req.ids + req.out  # a retracted request resumes from what it has generated so far
         free = [i for i, r in enumerate(self.slots) if r is None]
         slot, common = free[0], 0
         if self.cfg.prefix_reuse and not self.cfg.deterministic:
             for i in free:
-                c = _common_prefix(self.slot_cache[i], req.ids)
+                c = _common_prefix(self.slot_cache[i], seq)
                 if c > common:
                     slot, common = i, c
-        common = min(common, len(req.ids) - 1)  # prefill at least one token to get the next-token logits
-        req.cached = common
+        common = min(common, len(seq) - 1)  # prefill at least one token to get the next-token logits
+        if not req.out:
+            req.cached = common
         self.slot_cache[slot] = []
         pos = common
         logits = None
-        while pos < len(req.ids):
-            chunk = req.ids[pos: pos + self.cfg.prefill_chunk]
+        while pos < len(seq):
+            chunk = seq[pos: pos + self.cfg.prefill_chunk]
             t = _bucket(len(chunk), 16, self.cfg.prefill_chunk)
             attn = _bucket(pos + t, self.cfg.min_bucket, self.cfg.max_seq_len)
             if self.cfg.deterministic:
@@ -294,7 +343,7 @@ class JaxEngine:
             logits, self.kc, self.vc = _prefill(self.graphdef, self.params, self.kc, self.vc, jnp.asarray(ids),
                                                 jnp.int32(slot), jnp.int32(pos), jnp.int32(len(chunk)), attn)
             pos += len(chunk)
-        self.stats["prefill_tokens"] += len(req.ids) - common
+        self.stats["prefill_tokens"] += len(seq) - common
         self.stats["reused_tokens"] += common
         self.slots[slot] = req
         self._emit([slot], logits)

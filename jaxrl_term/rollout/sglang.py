@@ -1,14 +1,49 @@
-"""SGLang as the rollout engine: an exact token-in/token-out client, weight sync, and a launcher.
+"""SGLang as the rollout engine: an exact token-in/token-out client and weight sync.
 
 Every request sets ``input_ids``, ``return_logprob``, ``stop_token_ids`` and ``max_new_tokens``; token ids and
-log-probs come from ``meta_info.output_token_logprobs`` (never from text). ``finish_reason`` is mapped;
-``abort`` raises a retryable ``EngineError`` (the trajectory is retried or dropped, never scored). Several
+log-probs come from ``meta_info.output_token_logprobs`` (never from text). ``finish_reason`` is mapped. Several
 servers: each episode (``session``) sticks to one server for prefix-cache reuse, new sessions go to the least
 loaded; or one SGLang router URL with the routing key header. Connection errors and 5xx are retried with
 backoff (a dead server is avoided for a while); 4xx are not.
 
-Weight sync (``update_weights(dir, version)``): on every server, pause -> ``/update_weights_from_disk`` with
-the version -> continue, then ``/model_info`` must report the new version.
+Context length. SGLang rejects (HTTP 400) an input of ``>= context`` tokens, ``input + max_new_tokens >=
+context`` (<= 0.5.10; ``>`` from 0.5.12) and, in the scheduler, an input of ``>= max_req_input_len`` tokens
+(``min(context - 1, KV pool - 1) - 5``), then clamps ``max_new_tokens`` to ``context - input - 2``. The client
+learns each server's limits once (``/get_server_info``: ``max_req_input_len`` and ``context_length``, else
+``/v1/models`` ``max_model_len``), or takes ``context_length``, and sends ``max_new_tokens <= context - input -
+2``. With no room left at all it does not call the server and returns a ``Generation`` with no tokens and finish
+``length``.
+
+Aborts. A request that ends with finish ``abort`` (a pause in ``abort`` mode, ``abort_all_requests``) is sent
+again, up to ``abort_retries`` times; SGLang holds new requests while paused, so the retry waits for
+``/continue_generation`` and the whole turn comes from the new weights. Aborts that persist raise a retryable
+``EngineError``.
+
+Weight sync (``update_weights(dir, version)``), on every server at once: ``/pause_generation {"mode"}`` ->
+``/update_weights_from_disk {"weight_version", "flush_cache"}`` -> ``/continue_generation``, then ``/model_info``
+(``/get_model_info`` before 0.5.6) must report the new version. ``pause_mode``:
+
+* ``abort`` (default): every request in flight ends and is retried (above); before updating, the client polls
+  ``/flush_cache`` until it answers 200, which is an idle check valid in every version (0.5.6+ only returns from
+  the pause once requests have left; before that the abort is fire and forget). The update then flushes the
+  prefix cache (``flush_cache: true``): no K/V from old weights survives. Fully on-policy turns.
+* ``in_place``: running requests stay in the batch with their K/V and continue on the new weights after the
+  update (their prefix was computed by the old ones: slightly off-policy). ``flush_cache: false``, because
+  SGLang's flush fails while requests are running: the scheduler asserts and the server dies (<= 0.5.20) or the
+  update answers 400 (0.5.22+).
+* ``retract``: running requests are requeued and recomputed after the update (their K/V is freed).
+  ``flush_cache: false`` too: retracted requests sit in the waiting queue, which 0.5.10-0.5.20 count as busy, so
+  the assert kills the server there.
+In the last two modes the client then asks ``/flush_cache`` once while still paused (a plain endpoint: it answers
+400 instead of crashing when busy): that empties the prefix cache whenever the server allows it (retract:
+0.5.6-0.5.8 and 0.5.22+; in_place: only when nothing was running), otherwise old-weight prefixes stay cached.
+Before 0.5.6 there are no modes (every pause aborts) and every update flushes: use ``abort`` with those servers.
+
+Memory saver (``release_memory`` / ``resume_memory``, servers started with ``--enable-memory-saver``): SGLang
+frees the tagged GPU memory (``weights``, ``kv_cache``, ``cuda_graph`` from 0.5.5) and asserts it is idle
+(>= 0.5.5: the server dies if requests are running), so call them between rollouts only.
+
+The launcher (``rollout/launcher.py``) starts servers with the flags and environment these rules need.
 """
 
 from __future__ import annotations
@@ -16,13 +51,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,6 +64,11 @@ log = logging.getLogger(__name__)
 ROUTING_HEADER = "X-SMG-Routing-Key"
 RETRYABLE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadTimeout,
              httpx.ConnectTimeout, httpx.PoolTimeout)
+PAUSE_MODES = ("abort", "in_place", "retract")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# set, they make SGLang return raw (pre-temperature) log-probs: SGLANG_RETURN_ORIGINAL_LOGPROB (0.5.5+),
+# RETURN_ORIGINAL_LOGPROB (0.5.2-0.5.3)
+LOGPROB_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
 
 
 def request_body(input_ids, sampling: SamplingParams, rid: str | list[str] | None = None) -> dict:
@@ -65,13 +101,18 @@ def _version(v) -> int | None:
         return None
 
 
+def _finish(obj: Any) -> dict:
+    fr = obj.get("meta_info", {}).get("finish_reason") if isinstance(obj, dict) else None
+    return fr if isinstance(fr, dict) else {"type": fr}
+
+
 def parse_generation(obj: dict) -> Generation:
     """One SGLang ``/generate`` response -> ``Generation``. Abort raises a retryable ``EngineError``."""
     if not isinstance(obj, dict) or "meta_info" not in obj:
         raise EngineError(f"unexpected /generate response: {str(obj)[:300]}", retryable=False)
     meta = obj["meta_info"]
-    fr = meta.get("finish_reason") or {}
-    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    fr = _finish(obj)
+    kind = fr.get("type")
     if kind == "abort":
         raise EngineError(f"request aborted by the server: {fr.get('message', '')}", retryable=True)
     if kind not in ("stop", "length"):
@@ -88,6 +129,24 @@ def parse_generation(obj: dict) -> Generation:
                       meta.get("prompt_tokens"), meta.get("cached_tokens"))
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """A server's token limits: ``context_length`` and ``max_req_input_len`` (inputs must be shorter)."""
+
+    context_length: int
+    max_req_input_len: int
+
+    @classmethod
+    def from_context(cls, context_length: int) -> ServerLimits:
+        return cls(context_length, context_length - 1 - 5)  # a KV pool at least one context long
+
+    def max_new_tokens(self, n_input: int, requested: int) -> int:
+        """What to ask for: at most ``context - input - 2`` (what the scheduler keeps), 0 when there is no room."""
+        if n_input >= self.max_req_input_len:
+            return 0
+        return max(0, min(requested, self.context_length - n_input - 2))
+
+
 class SGLangEngine:
     """``RolloutEngine`` over one or more SGLang (or ``jaxrl_term.serve``) servers."""
 
@@ -101,15 +160,21 @@ class SGLangEngine:
         max_retries: int = 3,
         backoff_s: float = 0.5,
         down_cooldown_s: float = 30.0,
-        pause_mode: str = "in_place",
+        pause_mode: str = "abort",
+        context_length: int | None = None,
+        abort_retries: int = 3,
+        idle_timeout_s: float = 60.0,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
         if not urls:
             raise ValueError("rollout.sglang.urls: give at least one server URL")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"rollout.sglang.pause_mode={pause_mode!r}; use one of {PAUSE_MODES}")
         self.urls = [u.rstrip("/") for u in urls]
         self.router, self.max_retries, self.backoff_s = router, max_retries, backoff_s
         self.down_cooldown_s, self.pause_mode = down_cooldown_s, pause_mode
+        self.abort_retries, self.idle_timeout_s = abort_retries, idle_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s), headers=headers,
@@ -118,6 +183,11 @@ class SGLangEngine:
         self._sessions: dict[str, int] = {}
         self._inflight = [0] * len(self.urls)
         self._down_until = [0.0] * len(self.urls)
+        given = ServerLimits.from_context(context_length) if context_length else None
+        self._limits: list[ServerLimits | None] = [given] * len(self.urls)
+        self._limit_locks = [asyncio.Lock() for _ in self.urls]
+        self._info_path: list[str | None] = [None] * len(self.urls)  # /model_info, or /get_model_info (< 0.5.6)
+        self.aborts_retried = 0
 
     # -- routing ----------------------------------------------------------------------------------
     def _pick(self, session: str | None) -> int:
@@ -152,64 +222,194 @@ class SGLangEngine:
         raise EngineError(f"{path} failed after {self.max_retries + 1} attempts: {type(last).__name__}: {last}",
                           retryable=True)
 
+    async def _call(self, server: int, path: str, body: dict) -> httpx.Response:
+        """POST to one server; any HTTP error status raises (non-retryable) ``EngineError``."""
+        r = await self._post(path, body, server=server)
+        if r.status_code >= 400:
+            raise EngineError(f"{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=False)
+        return r
+
+    async def _get_json(self, server: int, *paths: str) -> dict:
+        """GET the first of ``paths`` the server has (404 -> the next one)."""
+        url = self.urls[server]
+        for k, path in enumerate(paths):
+            try:
+                r = await self.client.get(url + path, timeout=30)
+            except httpx.HTTPError as e:
+                if isinstance(e, RETRYABLE):
+                    self._down_until[server] = time.monotonic() + self.down_cooldown_s
+                raise EngineError(f"{url}{path}: {type(e).__name__}: {e}") from e
+            if r.status_code == 404 and k < len(paths) - 1:
+                continue
+            if r.status_code >= 400:
+                raise EngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=r.status_code >= 500)
+            return r.json()
+        raise AssertionError("unreachable")
+
+    # -- limits -----------------------------------------------------------------------------------
+    async def limits(self, server: int = 0) -> ServerLimits:
+        """The server's token limits, learned once (see the module docstring)."""
+        if self._limits[server] is None:
+            async with self._limit_locks[server]:
+                if self._limits[server] is None:
+                    self._limits[server] = await self._learn_limits(server)
+        return self._limits[server]
+
+    async def _learn_limits(self, server: int) -> ServerLimits:
+        info = await self._get_json(server, "/get_server_info", "/server_info")
+        ctx, max_input = info.get("context_length"), info.get("max_req_input_len")
+        if not ctx:  # server_args.context_length is None unless given on the command line
+            models = await self._get_json(server, "/v1/models")
+            ctx = next((m.get("max_model_len") for m in models.get("data", []) if m.get("max_model_len")), None)
+        if not ctx:
+            raise EngineError(f"{self.urls[server]}: cannot learn the context length (no context_length in "
+                              "/get_server_info, no max_model_len in /v1/models); set rollout.sglang.context_length",
+                              retryable=False)
+        lim = ServerLimits.from_context(int(ctx))
+        if max_input:
+            lim = ServerLimits(int(ctx), min(int(max_input), lim.max_req_input_len))
+        log.info("%s: context %d tokens, inputs < %d tokens", self.urls[server], lim.context_length,
+                 lim.max_req_input_len)
+        return lim
+
     # -- protocol ---------------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *, session: str | None = None
                        ) -> Generation:
-        body = request_body([int(x) for x in input_ids], sampling, uuid.uuid4().hex)
-        r = await self._post("/generate", body, session=session)
-        if r.status_code >= 400:
-            raise EngineError(f"/generate: HTTP {r.status_code}: {r.text[:500]}", retryable=False)
-        return parse_generation(r.json())
+        ids = [int(x) for x in input_ids]
+        last = ""
+        for _ in range(self.abort_retries + 1):
+            i = self._pick(session)
+            max_new = (await self.limits(i)).max_new_tokens(len(ids), sampling.max_new_tokens)
+            if max_new < 1:  # no room: finish "length" with nothing generated, as if the context had filled up
+                return Generation([], [], "length", None, None, len(ids), None)
+            body = request_body(ids, sampling.replace(max_new_tokens=max_new), uuid.uuid4().hex)
+            r = await self._post("/generate", body, session=session)
+            if r.status_code >= 400:
+                raise EngineError(f"/generate: HTTP {r.status_code}: {r.text[:500]}", retryable=False)
+            obj = r.json()
+            fr = _finish(obj)
+            if fr.get("type") != "abort":
+                return parse_generation(obj)
+            last = str(fr.get("message", ""))
+            self.aborts_retried += 1
+            log.info("%s: request aborted (%s); sending it again", self.urls[i], last)
+        raise EngineError(f"request aborted by the server {self.abort_retries + 1} times (last: {last})",
+                          retryable=True)
 
     async def generate_batch(self, batch: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
-        """One batched request (a list of prompts); the response is a list in the same order."""
-        body = request_body([[int(x) for x in ids] for ids in batch], sampling)
-        r = await self._post("/generate", body)
-        if r.status_code >= 400:
-            raise EngineError(f"/generate: HTTP {r.status_code}: {r.text[:500]}", retryable=False)
-        out = r.json()
-        if not isinstance(out, list) or len(out) != len(batch):
-            raise EngineError("a batched /generate must return one response per prompt", retryable=False)
-        return [parse_generation(o) for o in out]
+        """One batched request (a list of prompts); the response is a list in the same order. Prompts with no
+        room left get an empty ``length`` generation; an abort raises (no per-prompt retry)."""
+        lim = await self.limits(self._pick(None))
+        ids = [[int(x) for x in p] for p in batch]
+        room = [lim.max_new_tokens(len(p), sampling.max_new_tokens) for p in ids]
+        send = [k for k, n in enumerate(room) if n >= 1]
+        out: list[Generation | None] = [None if room[k] >= 1 else Generation([], [], "length", None, None, len(p))
+                                        for k, p in enumerate(ids)]
+        if send:
+            body = request_body([ids[k] for k in send], sampling)
+            body["sampling_params"] = [dict(body["sampling_params"], max_new_tokens=room[k]) for k in send]
+            r = await self._post("/generate", body)
+            if r.status_code >= 400:
+                raise EngineError(f"/generate: HTTP {r.status_code}: {r.text[:500]}", retryable=False)
+            res = r.json()
+            if not isinstance(res, list) or len(res) != len(send):
+                raise EngineError("a batched /generate must return one response per prompt", retryable=False)
+            for k, o in zip(send, res):
+                out[k] = parse_generation(o)
+        return out  # type: ignore[return-value]
 
     async def model_info(self, server: int = 0) -> dict:
-        r = await self.client.get(self.urls[server] + "/model_info")
-        r.raise_for_status()
-        return r.json()
+        """``/model_info``; servers older than 0.5.6 only have ``/get_model_info`` (remembered per server)."""
+        paths = [self._info_path[server]] if self._info_path[server] else ["/model_info", "/get_model_info"]
+        for k, path in enumerate(paths):
+            try:
+                r = await self.client.get(self.urls[server] + path, timeout=30)
+            except httpx.HTTPError as e:
+                raise EngineError(f"{self.urls[server]}{path}: {type(e).__name__}: {e}") from e
+            if r.status_code == 404 and k < len(paths) - 1:
+                continue
+            if r.status_code >= 400:
+                raise EngineError(f"{self.urls[server]}{path}: HTTP {r.status_code}: {r.text[:300]}", retryable=False)
+            self._info_path[server] = path
+            return r.json()
+        raise AssertionError("unreachable")
 
     async def update_weights(self, source: Any, version: int) -> None:
         """``source``: an HF directory every server can read (e.g. written by ``save_pretrained``)."""
         path = str(source)
-        errors = []
+        results = await asyncio.gather(*(self._update_one(i, path, version) for i in range(len(self.urls))))
+        errors = [f"{self.urls[i]}: {e}" for i, e in enumerate(results) if e]
         for i, url in enumerate(self.urls):
-            try:
-                await self._post("/pause_generation", {"mode": self.pause_mode}, server=i)
-                r = await self._post("/update_weights_from_disk", {
-                    "model_path": path, "load_format": None, "flush_cache": True, "abort_all_requests": False,
-                    "weight_version": str(version)}, server=i)
-                res = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-                if r.status_code >= 400 or not res.get("success", False):
-                    errors.append(f"{url}: {res.get('message') or r.text[:300]}")
-            except EngineError as e:
-                errors.append(f"{url}: {e}")
-            finally:
-                try:
-                    await self._post("/continue_generation", {}, server=i)
-                except EngineError as e:
-                    errors.append(f"{url}: continue_generation failed: {e}")
-        for i, url in enumerate(self.urls):
-            if any(err.startswith(url) for err in errors):
+            if results[i]:
                 continue
             try:
                 info = await self.model_info(i)
-                if str(info.get("weight_version")) != str(version):
-                    errors.append(f"{url}: /model_info reports weight_version {info.get('weight_version')!r}, "
-                                  f"expected {version}")
-            except httpx.HTTPError as e:
-                errors.append(f"{url}: /model_info failed: {e}")
+            except EngineError as e:
+                errors.append(f"{url}: {e}")
+                continue
+            if str(info.get("weight_version")) != str(version):
+                errors.append(f"{url}: model info reports weight_version {info.get('weight_version')!r}, "
+                              f"expected {version}")
         if errors:
             raise EngineError("weight update to version %s failed on %d server(s): %s"
                               % (version, len(errors), "; ".join(errors)), retryable=False)
+
+    async def _update_one(self, i: int, path: str, version: int) -> str | None:
+        """Pause, update, continue one server; returns what went wrong, or None."""
+        error = None
+        try:
+            await self._call(i, "/pause_generation", {"mode": self.pause_mode})
+            if self.pause_mode == "abort":
+                await self._wait_idle(i)
+            r = await self._post("/update_weights_from_disk", {
+                "model_path": path, "load_format": None, "abort_all_requests": False,
+                "weight_version": str(version), "flush_cache": self.pause_mode == "abort"}, server=i)
+            res = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            if r.status_code >= 400 or not res.get("success", False):
+                error = f"update_weights_from_disk: HTTP {r.status_code}: {res.get('message') or r.text[:300]}"
+            elif self.pause_mode != "abort":
+                r = await self._post("/flush_cache", {}, server=i)
+                if r.status_code != 200:
+                    log.info("%s: prefix cache kept after the update (requests held by the %s pause)",
+                             self.urls[i], self.pause_mode)
+        except EngineError as e:
+            error = str(e)
+        finally:
+            try:
+                await self._call(i, "/continue_generation", {})
+            except EngineError as e:
+                error = f"{error}; " if error else ""
+                error += f"continue_generation failed: {e}"
+        return error
+
+    async def _wait_idle(self, i: int) -> None:
+        """Poll ``/flush_cache`` until 200: no request is running or queued (valid in every version)."""
+        t_end = time.monotonic() + self.idle_timeout_s
+        while True:
+            r = await self._post("/flush_cache", {}, server=i)
+            if r.status_code == 200:
+                return
+            if time.monotonic() > t_end:
+                raise EngineError(f"still busy {self.idle_timeout_s:.0f}s after pause(abort): /flush_cache answered "
+                                  f"HTTP {r.status_code}", retryable=False)
+            await asyncio.sleep(0.1)
+
+    async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the servers' GPU memory (``--enable-memory-saver``); only while no request is in flight."""
+        await self._memory("/release_memory_occupation", tags)
+
+    async def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        await self._memory("/resume_memory_occupation", tags)
+
+    async def _memory(self, path: str, tags: Sequence[str]) -> None:
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"memory tags {bad}; SGLang knows {list(MEMORY_TAGS)}")
+        results = await asyncio.gather(*(self._call(i, path, {"tags": list(tags)}) for i in range(len(self.urls))),
+                                       return_exceptions=True)
+        errors = [f"{url}: {e}" for url, e in zip(self.urls, results) if isinstance(e, Exception)]
+        if errors:
+            raise EngineError(f"{path} failed on {len(errors)} server(s): {'; '.join(errors)}", retryable=False)
 
     async def health(self) -> bool:
         try:
@@ -238,82 +438,5 @@ class SGLangEngine:
         await self.client.aclose()
 
 
-# ---------------------------------------------------------------------------------------------- launcher
-
-
-@dataclasses.dataclass
-class ServerSpec:
-    port: int
-    gpus: str | None = None  # CUDA_VISIBLE_DEVICES, e.g. "0,1"
-    tp_size: int = 1
-
-
-class SGLangLauncher:
-    """Start ``python -m sglang.launch_server`` processes (in SGLang's own environment: ``python``), wait until
-    each answers ``/health_generate``, stop them cleanly (SIGTERM to the process group, then SIGKILL)."""
-
-    def __init__(self, model_path: str, servers: Sequence[ServerSpec], *, python: str = "python",
-                 module: str = "sglang.launch_server", host: str = "127.0.0.1", mem_fraction_static: float = 0.7,
-                 context_length: int | None = None, extra_args: Sequence[str] = (), log_dir: str = "runs/sglang"):
-        self.model_path, self.servers, self.python, self.module = model_path, list(servers), python, module
-        self.host, self.mem, self.ctx, self.extra = host, mem_fraction_static, context_length, list(extra_args)
-        self.log_dir = Path(log_dir)
-        self.procs: list[subprocess.Popen] = []
-
-    @property
-    def urls(self) -> list[str]:
-        return [f"http://{self.host}:{s.port}" for s in self.servers]
-
-    def command(self, s: ServerSpec) -> list[str]:
-        cmd = [self.python, "-m", self.module, "--model-path", self.model_path, "--host", self.host,
-               "--port", str(s.port), "--tp-size", str(s.tp_size), "--mem-fraction-static", str(self.mem)]
-        if self.ctx:
-            cmd += ["--context-length", str(self.ctx)]
-        return cmd + self.extra
-
-    def start(self) -> list[str]:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        for s in self.servers:
-            env = dict(os.environ)
-            if s.gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = s.gpus
-            logf = open(self.log_dir / f"server-{s.port}.log", "ab")
-            self.procs.append(subprocess.Popen(self.command(s), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                               start_new_session=True))
-        return self.urls
-
-    async def wait_ready(self, deadline_s: float = 900.0) -> None:
-        t_end = time.monotonic() + deadline_s
-        async with httpx.AsyncClient(timeout=30) as c:
-            pending = dict(zip(self.urls, self.procs))
-            while pending:
-                for url, p in list(pending.items()):
-                    if p.poll() is not None:
-                        log_path = self.log_dir / f"server-{url.rsplit(':', 1)[1]}.log"
-                        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
-                        raise EngineError(f"server {url} exited with code {p.returncode}:\n{tail}", retryable=False)
-                    try:
-                        if (await c.get(url + "/health_generate")).status_code == 200:
-                            del pending[url]
-                    except httpx.HTTPError:
-                        pass
-                if pending:
-                    if time.monotonic() > t_end:
-                        raise EngineError(f"servers not ready after {deadline_s:.0f}s: {sorted(pending)}")
-                    await asyncio.sleep(1.0)
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        t_end = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        self.procs.clear()
+# the launcher moved to rollout/launcher.py; kept importable from here
+from jaxrl_term.rollout.launcher import ServerSpec, SGLangLauncher, default_advertise_host  # noqa: E402,F401

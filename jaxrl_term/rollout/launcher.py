@@ -1,0 +1,197 @@
+"""Start SGLang servers on this node: ``python -m sglang.launch_server`` in SGLang's own environment.
+
+The launcher binds ``0.0.0.0`` by default and advertises a name other nodes can reach; servers get ``SIGKILL``
+when the process (thread) that started them dies, and never see ``SGLANG_RETURN_ORIGINAL_LOGPROB``: the
+trainer's log-probs are temperature-scaled over the full vocabulary, SGLang's default only while that variable
+(``RETURN_ORIGINAL_LOGPROB`` in 0.5.2-0.5.3) is unset. Flags follow SGLang's ``server_args.py``:
+``--enable-fp32-lm-head`` and ``--enable-deterministic-inference`` (>= 0.5.3), ``--weight-version`` (>= 0.5.1),
+``--enable-memory-saver``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import ipaddress
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from jaxrl_term.rollout.engine import EngineError
+
+log = logging.getLogger(__name__)
+# the log-prob semantics the trainer needs: SGLang's default, which these variables turn off
+LOGPROB_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
+
+@dataclasses.dataclass
+class ServerSpec:
+    port: int
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES, e.g. "0,1"
+    tp_size: int = 1
+
+
+def default_advertise_host() -> str:
+    """A name other nodes can reach this node by: the FQDN when it resolves to a non-loopback address, else
+    the address of the default route's interface."""
+    name = socket.getfqdn()
+    try:
+        addrs = {ai[4][0].split("%")[0] for ai in socket.getaddrinfo(name, None)}
+    except OSError:
+        addrs = set()
+    if addrs and not any(ipaddress.ip_address(a).is_loopback for a in addrs):
+        return name
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 53))  # UDP: sends nothing; the kernel picks the default route's source address
+            return s.getsockname()[0]
+        except OSError:
+            pass
+    log.warning("no routable name or address found for this node (FQDN %r is loopback, no default route); "
+                "set rollout.sglang.launch.advertise_host", name)
+    return socket.gethostname()
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` (Linux): the child gets SIGKILL when the thread that started it dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+class SGLangLauncher:
+    """Start ``python -m sglang.launch_server`` processes (in SGLang's own environment: ``python``), wait until
+    each answers ``/health_generate``, stop them cleanly (SIGTERM to the process group, then SIGKILL).
+
+    ``host``: the bind address (``0.0.0.0``: reachable from other nodes; SGLang's own default is 127.0.0.1,
+    loopback only). ``urls`` use ``advertise_host`` (default: 127.0.0.1 for a loopback bind, else this node's
+    FQDN or default-route address). Servers die with the thread that called ``start`` (PR_SET_PDEATHSIG; SGLang's
+    scheduler and detokenizer processes do the same towards the server process), so call it from the main
+    thread. ``fp32_lm_head`` (SGLang >= 0.5.3), ``memory_saver``, ``deterministic`` (>= 0.5.3) and
+    ``weight_version`` (>= 0.5.1) add the matching flags."""
+
+    def __init__(self, model_path: str, servers: Sequence[ServerSpec], *, python: str = "python",
+                 module: str = "sglang.launch_server", host: str = "0.0.0.0", advertise_host: str | None = None,
+                 mem_fraction_static: float = 0.7, context_length: int | None = None, fp32_lm_head: bool = False,
+                 memory_saver: bool = False, deterministic: bool = False, weight_version: str | int | None = None,
+                 extra_args: Sequence[str] = (), log_dir: str = "runs/sglang"):
+        self.model_path, self.servers, self.python, self.module = model_path, list(servers), python, module
+        self.host, self.mem, self.ctx, self.extra = host, mem_fraction_static, context_length, list(extra_args)
+        self.fp32_lm_head, self.memory_saver, self.deterministic = fp32_lm_head, memory_saver, deterministic
+        self.weight_version = weight_version
+        self._advertise = advertise_host
+        self.log_dir = Path(log_dir)
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def advertise_host(self) -> str:
+        if self._advertise is None:
+            if self.host in ("127.0.0.1", "localhost"):
+                self._advertise = "127.0.0.1"
+            elif self.host in ("0.0.0.0", "::", ""):
+                self._advertise = default_advertise_host()
+            else:
+                self._advertise = self.host
+        return self._advertise
+
+    @property
+    def urls(self) -> list[str]:
+        h = self.advertise_host
+        h = f"[{h}]" if ":" in h else h
+        return [f"http://{h}:{s.port}" for s in self.servers]
+
+    def command(self, s: ServerSpec) -> list[str]:
+        cmd = [self.python, "-m", self.module, "--model-path", self.model_path, "--host", self.host,
+               "--port", str(s.port), "--tp-size", str(s.tp_size), "--mem-fraction-static", str(self.mem)]
+        if self.ctx:
+            cmd += ["--context-length", str(self.ctx)]
+        if self.fp32_lm_head:
+            cmd.append("--enable-fp32-lm-head")
+        if self.memory_saver:
+            cmd.append("--enable-memory-saver")
+        if self.deterministic:
+            cmd.append("--enable-deterministic-inference")
+        if self.weight_version is not None:
+            cmd += ["--weight-version", str(self.weight_version)]
+        return cmd + self.extra
+
+    def env(self, s: ServerSpec) -> dict[str, str]:
+        """The server's environment: ours, without the variables that change log-prob semantics."""
+        env = {k: v for k, v in os.environ.items() if k not in LOGPROB_ENV}
+        dropped = [k for k in LOGPROB_ENV if k in os.environ]
+        if dropped:
+            log.warning("not passing %s to SGLang: the trainer needs temperature-scaled log-probs", dropped)
+        if s.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = s.gpus
+        return env
+
+    def start(self) -> list[str]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("SGLangLauncher.start() outside the main thread: servers get SIGKILL when this thread ends")
+        preexec = _die_with_parent()
+        for s in self.servers:
+            with open(self.log_dir / f"server-{s.port}.log", "ab") as logf, warnings.catch_warnings():
+                # a preexec_fn means fork() rather than vfork(); JAX warns about forking a threaded process, but
+                # the child only arms the signal and execs, touching no lock another thread could hold
+                warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+                self.procs.append(subprocess.Popen(self.command(s), stdout=logf, stderr=subprocess.STDOUT,
+                                                   env=self.env(s), start_new_session=True, preexec_fn=preexec))
+        return self.urls
+
+    async def wait_ready(self, deadline_s: float = 900.0) -> None:
+        t_end = time.monotonic() + deadline_s
+        async with httpx.AsyncClient(timeout=30) as c:
+            pending = dict(zip(self.urls, self.procs))
+            while pending:
+                for url, p in list(pending.items()):
+                    if p.poll() is not None:
+                        log_path = self.log_dir / f"server-{url.rsplit(':', 1)[1]}.log"
+                        tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else ""
+                        raise EngineError(f"server {url} exited with code {p.returncode}:\n{tail}", retryable=False)
+                    try:
+                        if (await c.get(url + "/health_generate")).status_code == 200:
+                            del pending[url]
+                    except httpx.HTTPError:
+                        pass
+                if pending:
+                    if time.monotonic() > t_end:
+                        raise EngineError(f"servers not ready after {deadline_s:.0f}s: {sorted(pending)}")
+                    await asyncio.sleep(1.0)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        t_end = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()

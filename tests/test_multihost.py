@@ -1,0 +1,159 @@
+"""Multi-host training, for real, on one machine: two JAX processes (``jax.distributed`` on localhost, 4 fake CPU
+devices each, one global 8-device mesh) run the tiny preset end to end with SGLang-protocol servers
+(``jaxrl_term.serve`` launched by each process's launcher, so the SGLang client, weight sync through exported
+checkpoints and the launcher are the code under test), are SIGKILLed after step 3, resume, and finish. The
+losses and final parameters must equal the same run in one process with 8 fake devices.
+
+The policy is a random tiny model, which never solves a task: every reward is 0 and group-relative advantages
+are 0, so a GRPO loss would be 0 and its gradient nothing to compare. The run therefore uses the ``nll`` loss
+(the warm start's objective, on the policy's own samples): every step has a real, non-zero gradient through the
+same rollout -> batch broadcast -> sharded update -> export -> weight sync path.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny Qwen3 HF directory (our own export, with the tiny tokenizer): what every server starts from."""
+    from jaxrl_term.model.hf import save_pretrained
+    from jaxrl_term.model.qwen3 import Qwen3Config, create_model
+
+    arch = Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    return save_pretrained(create_model(arch, seed=3), out, "float32", tokenizer_dir=tiny_tokenizer_dir)
+
+
+def _common(model_dir, run_dir, cache_dir):
+    return ["+experiment=tiny_cpu", f"model.path={model_dir}", "model.random_init=false",
+            "trainer.warm_start.enabled=false", "algo.loss=nll", "agent.max_turns=1", "agent.max_tokens_per_turn=16",
+            "trainer.groups_per_step=2", "algo.group_size=2", "sandbox.backend=local",
+            "trainer.drop_zero_variance=false", "logging.tensorboard=false", "logging.console=false",
+            "trainer.buckets=[1024,2048]", "agent.max_context_tokens=2048", "trainer.steps=5", "trainer.checkpoint_every=1",
+            "trainer.deterministic_engine=true", "trainer.log_param_digest=true", "optim.lr=1e-2",
+            "mesh.shape={data: 1, fsdp: 8, tensor: 1}",
+            "rollout=sglang", "rollout.temperature=1.0", "rollout.sglang.launch.enabled=true",
+            "rollout.sglang.colocation.mode=time_share",  # release / resume around every update (a no-op on CPU)
+            f"rollout.sglang.launch.python={sys.executable}", "rollout.sglang.launch.module=jaxrl_term.serve",
+            "rollout.sglang.launch.host=127.0.0.1", "rollout.sglang.launch.context_length=2048",
+            "rollout.sglang.launch.ready_timeout_s=300", "rollout.sglang.export_dtype=float32",
+            f"run_dir={run_dir}", f"cache_dir={cache_dir}"]
+
+
+def _env(devices: int, cache) -> dict:
+    # one persistent compilation cache for every trainer and server process: identical programs compile once
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": str(cache / "xla"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def _launch(args, devices, log, cache):
+    return subprocess.Popen([sys.executable, "-m", "jaxrl_term.train", *args], cwd=REPO, env=_env(devices, cache),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _two(model_dir, run_dir, cache_dir, logs, *, coordinator):
+    procs = []
+    for i in range(2):
+        args = [*_common(model_dir, run_dir, cache_dir), "mesh.distributed.enabled=true",
+                f"mesh.distributed.coordinator_address={coordinator}", "mesh.distributed.num_processes=2",
+                f"mesh.distributed.process_id={i}", "mesh.distributed.initialization_timeout_s=120",
+                f"rollout.sglang.launch.servers=[{{port: {_free_port()}, tp_size: 1}}]"]
+        procs.append(_launch(args, 4, open(logs / f"p{i}.log", "ab"), cache_dir))
+    return procs
+
+
+def _metrics(run_dir) -> dict[int, dict]:
+    """Per step, the last record (a resumed run may have logged a step before it was killed)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "train/loss" in m:
+            out[m["step"]] = m
+    return out
+
+
+def _params(model_dir) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _wait(procs, timeout):
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.wait(max(1.0, deadline - time.monotonic()))
+    return [p.returncode for p in procs]
+
+
+def _tail(logs) -> str:
+    return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted(logs.glob("*.log")))
+
+
+def test_two_processes_through_sigkill_and_resume_match_one_process(tmp_path, tiny_model_dir):
+    cache, logs = tmp_path / "cache", tmp_path / "logs"
+    logs.mkdir()
+    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
+    port = _free_port()
+    one = _launch([*_common(tiny_model_dir, one_dir, cache),
+                   f"rollout.sglang.launch.servers=[{{port: {port}, tp_size: 1}}]"], 8, open(logs / "one.log", "ab"), cache)
+    two = _two(tiny_model_dir, two_dir, cache, logs, coordinator=f"127.0.0.1:{_free_port()}")
+    # SIGKILL both processes once step 3's checkpoint is on disk (their servers die with them: PDEATHSIG)
+    ckpt = two_dir / "checkpoints" / "3"
+    deadline = time.monotonic() + 240
+    while not (ckpt.is_dir() and any(ckpt.iterdir())) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in two), _tail(logs)
+        time.sleep(0.2)
+    time.sleep(1.5)  # the asynchronous checkpoint commits
+    for p in two:
+        os.killpg(p.pid, signal.SIGKILL)
+    _wait(two, 30)
+    killed_at = _metrics(two_dir)
+    assert 4 not in killed_at, "the run was not killed before its end"
+    two = _two(tiny_model_dir, two_dir, cache, logs, coordinator=f"127.0.0.1:{_free_port()}")
+    assert _wait(two, 240) == [0, 0], _tail(logs)
+    assert _wait([one], 240) == [0], _tail(logs)
+
+    m1, m2 = _metrics(one_dir), _metrics(two_dir)
+    assert sorted(m1) == sorted(m2) == [0, 1, 2, 3, 4]
+    resumed = [json.loads(x) for x in (two_dir / "metrics.jsonl").read_text().splitlines()
+               if "resume/params_digest" in x]
+    assert resumed and resumed[-1]["step"] + 1 == 3, "the second launch did not resume from step 3"
+    for s in range(5):
+        assert m2[s]["task_ids"] == m1[s]["task_ids"], s
+        assert m2[s]["train/tokens"] == m1[s]["train/tokens"], s  # the same sampled tokens
+        assert m1[s]["train/loss"] > 0 and m2[s]["train/grad_norm"] > 0
+        assert m2[s]["train/loss"] == pytest.approx(m1[s]["train/loss"], rel=1e-5), s
+    p1, p2 = _params(one_dir / "hf_final"), _params(two_dir / "hf_final")
+    assert sorted(p1) == sorted(p2)
+    init = _params(tiny_model_dir)
+    moved = 0.0
+    for k in p1:
+        np.testing.assert_allclose(p2[k], p1[k], rtol=0, atol=1e-4, err_msg=k)  # Adam amplifies reduction order
+        moved = max(moved, float(np.abs(p1[k] - init[k]).max()))
+    assert moved > 1e-3  # the policy really trained
+    assert json.loads((two_dir / "summary.json").read_text())["processes"] == 2
