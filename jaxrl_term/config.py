@@ -258,6 +258,7 @@ class ClusterCfg:
     gpus_per_node: int = 0  # 0 = CPU
     gpu: str = "cpu"
     gpu_memory_gb: float = 0.0
+    host_memory_gb: float = 0.0  # per node; the planner checks optim.offload's host memory against it (0 = unchecked)
 
 
 @dataclasses.dataclass
@@ -339,6 +340,15 @@ def validate(cfg, *, need_paths: bool = True) -> None:
             "has an 8-bit mantissa, so an Adam update of ~lr rounds away unless lr > ~2^-8 of the weight; at "
             "lr < 1e-4 most weights never change while loss and grad norm look healthy. Use "
             "model.options.param_dtype=float32 (fp32 master weights, bf16 compute via compute_dtype)")
+    if cfg.optim.offload:
+        d = cfg.mesh.distributed
+        if d.enabled and (d.num_processes or 0) != 1:
+            raise ConfigError("optim.offload=true keeps the optimizer in one process's host memory; it cannot run "
+                              "with mesh.distributed.enabled (several processes): drive the node's GPUs from one "
+                              "process, or set optim.offload=false")
+        if o.param_dtype != "float32":
+            raise ConfigError(f"optim.offload=true keeps fp32 master weights on the host; set "
+                              f"model.options.param_dtype=float32 (got {o.param_dtype})")
     if o.attention == "cudnn" and cfg.trainer.pack:
         raise ConfigError("model.options.attention=cudnn with trainer.pack=true: cuDNN's fused attention masks by "
                           "row length only; packed rows need attention=blockwise (or trainer.pack=false)")

@@ -79,6 +79,7 @@ class TrainPlan:
     flops: float | None  # per device per step, from the compiled cost analysis
     model_flops: float  # per device per step, 6 N T + attention (the MFU convention)
     compile_s: float
+    host_gb: float = 0.0  # per node, host memory the optimizer needs (optim.offload)
 
     def terms(self) -> dict[str, float]:
         other = self.temporaries_gb - self.grad_accumulator_gb - self.microbatch_grads_gb
@@ -202,31 +203,49 @@ def plan_training(cfg, *, flops: bool = True) -> TrainPlan:
     rules = LogicalRules.from_mapping(OmegaConf.to_container(cfg.mesh.rules) if cfg.mesh.rules else None)
     algo, optim = OmegaConf.to_object(cfg.algo), OmegaConf.to_object(cfg.optim)
     algo = dataclasses.replace(algo, temperature=cfg.rollout.temperature)
-    ts = make_train_step(arch, algo, optim, mesh, options=opts, rules=rules)
-    m, b, t, rows = step_batch_shape(cfg, ts.shards, algo.microbatches)
-    t0 = time.monotonic()
-    compiled = compile_step(ts, m, b, t)
-    compile_s = time.monotonic() - t0
-    mem = memory_of(compiled)
-    state = ts.abstract_state()
-    params = _per_device_bytes(state.params)
-    optimizer = _per_device_bytes(state.opt_state)
-    acc = _per_device_bytes(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, "float32", sharding=s.sharding),
-                                         state.params)) if m > 1 else 0.0
-    micro_grads = ts.grad_bytes_per_device()
+    host_gb = 0.0
+    if optim.offload:
+        # fp32 master + AdamW on the host: the devices run the gradient program, one microbatch per call
+        # (microbatch gradients are summed on the host), and hold the compute-dtype copy of the parameters
+        from jaxrl_term.rl.offload import make_offload_train_step
+
+        ots = make_offload_train_step(arch, algo, optim, mesh, options=opts, rules=rules)
+        ts = ots.inner
+        m, b, t, rows = step_batch_shape(cfg, ts.shards, algo.microbatches)
+        t0 = time.monotonic()
+        compiled = ts._grad_step.lower(ts.abstract_state().params, abstract_batch(ts, 1, b, t)).compile()
+        compile_s = time.monotonic() - t0
+        mem = memory_of(compiled)
+        params, optimizer, acc = ots.device_param_bytes_per_device(), 0.0, 0.0
+        micro_grads = _per_device_bytes(jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, "float32", sharding=s.sharding), ts.abstract_state().params))
+        host_gb = (ots.host_bytes() + (4 * ots.num_params() if m > 1 else 0)) / GB  # + the host accumulator
+    else:
+        ts = make_train_step(arch, algo, optim, mesh, options=opts, rules=rules)
+        m, b, t, rows = step_batch_shape(cfg, ts.shards, algo.microbatches)
+        t0 = time.monotonic()
+        compiled = compile_step(ts, m, b, t)
+        compile_s = time.monotonic() - t0
+        mem = memory_of(compiled)
+        state = ts.abstract_state()
+        params = _per_device_bytes(state.params)
+        optimizer = _per_device_bytes(state.opt_state)
+        acc = _per_device_bytes(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, "float32", sharding=s.sharding),
+                                             state.params)) if m > 1 else 0.0
+        micro_grads = ts.grad_bytes_per_device()
     fl = compiled_flops(arch, opts, algo, optim, mesh, rules, m, b, t) if flops else None
     tokens = m * b * t / n
     return TrainPlan(devices=n, mesh=dict(mesh.shape), batch=(m, b, t), rows=rows, attention=opts.attention,
                      params_gb=params / GB, optimizer_gb=optimizer / GB, grad_accumulator_gb=acc / GB,
                      microbatch_grads_gb=micro_grads / GB, temporaries_gb=mem["temp"] / GB,
                      peak_gb=mem["peak"] / GB, flops=fl, model_flops=model_flops(arch, tokens, t),
-                     compile_s=compile_s)
+                     compile_s=compile_s, host_gb=host_gb)
 
 
 # ------------------------------------------------------------------------------------------- verdict
 
 
-def verdict(train: TrainPlan, colo, servers) -> tuple[bool, list[str]]:
+def verdict(train: TrainPlan, colo, servers, cfg_host_memory_gb: float = 0.0) -> tuple[bool, list[str]]:
     """(fits, reasons). Training needs 10% headroom under its budget; every server needs room for its
     weights and at least one full context of KV cache."""
     reasons = []
@@ -238,6 +257,10 @@ def verdict(train: TrainPlan, colo, servers) -> tuple[bool, list[str]]:
     if colo.resident_gb is not None and colo.resident_gb > colo.gpu_gb * (1 - HEADROOM / 2):
         reasons.append(f"between updates the trainer keeps {colo.trainer_resident_gb:.1f} GB next to SGLang's "
                        f"{colo.sglang_static_gb:.1f} GB: {colo.resident_gb:.1f} GB of {colo.gpu_gb:.0f} GB")
+    host_mem = cfg_host_memory_gb
+    if train.host_gb and host_mem and train.host_gb > (1 - HEADROOM) * host_mem:
+        reasons.append(f"the host optimizer needs {train.host_gb:.0f} GB of host memory per node, more than 90% of "
+                       f"trainer.cluster.host_memory_gb={host_mem:.0f}")
     for s in servers:
         if s.kv_tokens < s.context:
             reasons.append(f"SGLang server {s.name}: KV cache holds {s.kv_tokens:,} tokens, less than one "
@@ -264,7 +287,7 @@ def run(overrides: list[str], *, flops: bool = True, as_json: str | None = None)
     colo = colocation_plan(cfg, train_peak_gb=train.peak_gb,
                            train_resident_gb=train.params_gb + train.optimizer_gb)
     servers = server_plans(cfg)
-    fits, reasons = verdict(train, colo, servers)
+    fits, reasons = verdict(train, colo, servers, float(cfg.trainer.cluster.host_memory_gb))
     out = {"train": dataclasses.asdict(train), "colocation": dataclasses.asdict(colo),
            "servers": [dataclasses.asdict(s) for s in servers], "fits": fits, "reasons": reasons}
     report(cfg, train, colo, servers, fits, reasons)
@@ -284,6 +307,9 @@ def report(cfg, train: TrainPlan, colo, servers, fits: bool, reasons: list[str])
               f"({cl.nodes} x {cl.gpus_per_node} {cl.gpu}), mesh {train.mesh}, attention {train.attention}")
     con.print(f"batch [{m}, {b}, {t}] (microbatches, rows per microbatch, tokens): {train.rows} trajectories "
               f"padded to {m * b} rows; compiled in {train.compile_s:.1f} s")
+    if train.host_gb and m > 1:
+        con.print(f"  (optim.offload: each microbatch is one device call, compiled as [1, {b}, {t}]; the host sums "
+                  "their gradients)")
     table = Table(title="training, per device (XLA memory_analysis of the compiled step)")
     table.add_column("term")
     table.add_column("GB", justify="right")
@@ -297,6 +323,10 @@ def report(cfg, train: TrainPlan, colo, servers, fits: bool, reasons: list[str])
     head = (1 - train.peak_gb / colo.trainer_budget_gb) * 100 if colo.trainer_budget_gb else -100.0
     table.add_row("headroom", f"{head:.0f}%")
     con.print(table)
+    if train.host_gb:
+        con.print(f"optimizer offloaded to the host (optim.offload): {train.host_gb:.0f} GB of host memory per node "
+                  f"(fp32 master, AdamW moments, gradient accumulator); trainer.cluster.host_memory_gb="
+                  f"{cfg.trainer.cluster.host_memory_gb:g}")
     if train.flops is not None:
         con.print(f"step FLOPs per device: {train.flops:.3e} (compiled cost analysis, loops multiplied out); "
                   f"model FLOPs 6NT+attention: {train.model_flops:.3e}")

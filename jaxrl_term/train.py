@@ -151,7 +151,13 @@ class Trainer:
         algo, optim = OmegaConf.to_object(cfg.algo), OmegaConf.to_object(cfg.optim)
         # log-probs are recomputed under the distribution the engine sampled from: one temperature
         self.algo = dataclasses.replace(algo, temperature=cfg.rollout.temperature)
-        self.ts = make_train_step(self.arch, self.algo, optim, self.mesh, options=self.opts, rules=self.rules)
+        if optim.offload:  # fp32 master + AdamW on the host, a compute-dtype copy on the devices
+            from jaxrl_term.rl.offload import make_offload_train_step
+
+            self.ts = make_offload_train_step(self.arch, self.algo, optim, self.mesh, options=self.opts,
+                                              rules=self.rules)
+        else:
+            self.ts = make_train_step(self.arch, self.algo, optim, self.mesh, options=self.opts, rules=self.rules)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, enabled=self.lead,
                                      console=cfg.logging.console, wandb=OmegaConf.to_container(cfg.logging.wandb),
@@ -172,6 +178,14 @@ class Trainer:
         self.engine = self.backend = self.builder = self.reward = None
 
     # -- weights -------------------------------------------------------------------------------------
+    def reference_params(self, params):
+        """The KL reference policy's params, placed for the no-grad pass."""
+        import jax
+
+        if self.cfg.optim.offload:
+            return self.ts.device_params(params)
+        return jax.device_put(params, self.ts.param_shardings)
+
     async def sync_weights(self, version: int) -> None:
         """New weights to the engine. Servers: every process joins the export (it gathers sharded parameters
         chunk by chunk); process 0 then tells every server to load it (taking back the memory it released
@@ -314,16 +328,23 @@ class Trainer:
             tasks = load_dataset(data.pop("source"), **data)
             self.make_builder()
         warm = {}
-        if self.state is None:
+        resumed = self.state is not None
+        # The starting policy: the warm start's result (cached), else the loaded weights. It is the RL start and
+        # the KL reference, so a resumed run with a KL term recomputes it too (from the cache).
+        if not resumed or self.algo.kl_coef:
             params = self._init_params
             if tcfg.warm_start.enabled:
                 params, warm = await warm_start(cfg, tokenizer=self.tok, arch=self.arch, opts=self.opts,
                                                 mesh=self.mesh, rules=self.rules, init_params=params, tasks=tasks,
                                                 channel=ch, backend=self.backend, builder=self.builder,
                                                 microbatches=self.algo.microbatches)
-                self.metrics.log(-1, warm)
-            self.state = self.ts.init_state(params, seed=cfg.seed)
-        elif tcfg.log_param_digest:  # every process: the digest gathers sharded parameters
+                if not resumed:
+                    self.metrics.log(-1, warm)
+            if self.algo.kl_coef:
+                self.ref_params = self.reference_params(params)
+            if not resumed:
+                self.state = self.ts.init_state(params, seed=cfg.seed)
+        if resumed and tcfg.log_param_digest:  # every process: the digest gathers sharded parameters
             self.metrics.log(self.start_step - 1, {"resume/params_digest": params_digest(self.state.params)})
         self._init_params = None
         await self.start_engine()
@@ -391,7 +412,8 @@ class Trainer:
             from jaxrl_term.model.hf import save_pretrained
 
             dtype = "float32" if self.opts.param_dtype == "float32" else "bfloat16"
-            out["hf_final"] = str(save_pretrained(self.ts.model(self.state.params), self.run_dir / "hf_final", dtype,
+            params = self.ts.master_params(self.state) if cfg.optim.offload else self.state.params
+            out["hf_final"] = str(save_pretrained(self.ts.model(params), self.run_dir / "hf_final", dtype,
                                                   tokenizer_dir=self.tok_path))  # collective
         if history:
             out["reward_first"], out["reward_last"] = history[0]["reward/mean"], history[-1]["reward/mean"]

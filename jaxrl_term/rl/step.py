@@ -79,6 +79,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    # fp32 master weights and AdamW moments in host memory, a compute-dtype copy on the devices (ZeRO-Offload;
+    # one process): for models whose fp32 state does not fit the GPUs (rl/offload.py)
+    offload: bool = False
 
 
 def make_schedule(o: OptimConfig):
@@ -330,7 +333,12 @@ def make_train_step(
         # A skipped update leaves params and optimizer state bit-identical. lax.cond rather than
         # where(ok, new, old): with `where` the old buffers must outlive the new ones, so XLA copies every
         # donated parameter and moment (three model-sized copies per device); the cond updates them in place.
-        params, opt_state = jax.lax.cond(ok, apply, lambda p, o, g: (p, o), state.params, state.opt_state, grads)
+        out = jax.eval_shape(apply, state.params, state.opt_state, grads)  # optax may promote moment dtypes
+
+        def keep(p, o, g):
+            return jax.tree.map(lambda x, s: x.astype(s.dtype), (p, o), out)
+
+        params, opt_state = jax.lax.cond(ok, apply, keep, state.params, state.opt_state, grads)
         key, _ = jax.random.split(state.rng)
         metrics["lr"] = schedule(state.step)
         return TrainState(params, opt_state, state.step + 1, key), metrics
