@@ -289,6 +289,8 @@ class TrainerCfg:
     pack: bool = False
     log_param_digest: bool = False
     deterministic_engine: bool = False  # reproducible sampling regardless of batching (slower)
+    max_consecutive_skips: int = 5  # abort when this many updates in a row had nothing to learn from
+    dry_run: bool = False  # check the config (preflight) and exit
     warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
     cluster: ClusterCfg = field(default_factory=ClusterCfg)
 
@@ -330,63 +332,165 @@ class ConfigError(ValueError):
     """A config that composes but cannot run; the message names the key and the fix."""
 
 
-def validate(cfg, *, need_paths: bool = True) -> None:
-    """Checks that need more than types, run before any work starts. ``need_paths=False`` (the planner)
-    skips what only a real run needs: weights and tasks."""
+def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tuple[str, str, str]]:
+    """Every problem with a composed config, before any model, engine or sandbox is built: (key, what is wrong,
+    how to fix it). Choices (registry names, enums), paths (model dir, tokenizer, tasks), and combinations that
+    cannot run or silently do nothing. ``need_paths=False`` (the planner) skips weights and tasks; ``training``
+    adds what only training needs (a sampling distribution the trainer can score). The same function backs
+    ``train`` (also alone: ``--preflight`` / ``trainer.dry_run=true``), ``plan`` and the other entry points."""
+    import os
+    from pathlib import Path
+
+    out: list[tuple[str, str, str]] = []
+
+    def bad(key, what, fix=""):
+        out.append((key, what, fix))
+
+    # -- algorithm ------------------------------------------------------------------------------------
+    from jaxrl_term.rl.step import AlgoConfig
+
+    algo = {k: cfg.algo[k] for k in cfg.algo}
+    algo["temperature"] = cfg.rollout.temperature
+    a = object.__new__(AlgoConfig)
+    a.__dict__.update(algo)
+    for key, msg in a.problems():
+        key = "rollout.temperature" if key == "temperature" else f"algo.{key}"
+        what, _, fix = msg.partition("; ")
+        bad(key, what, fix)
+    if training and (cfg.rollout.top_p < 1.0 or cfg.rollout.top_k not in (-1, 0)):
+        bad("rollout.top_p" if cfg.rollout.top_p < 1.0 else "rollout.top_k",
+            f"top_p={cfg.rollout.top_p}, top_k={cfg.rollout.top_k}: tokens are sampled from the truncated "
+            "distribution but SGLang (and our engine, to match it) report log-probs of the untruncated one, so the "
+            "importance ratio is biased (0.105 nats per token on average at top_p 0.9)",
+            "train with rollout.top_p=1.0 rollout.top_k=-1 (truncation is fine for evaluation)")
+    # -- optimizer and model --------------------------------------------------------------------------
+    if cfg.optim.schedule not in ("constant", "warmup_constant", "warmup_cosine"):
+        bad("optim.schedule", f"{cfg.optim.schedule!r}", "use constant, warmup_constant or warmup_cosine")
+    if not cfg.optim.lr > 0:
+        bad("optim.lr", f"{cfg.optim.lr} must be > 0")
     o = cfg.model.options
     if o.param_dtype != "float32" and cfg.optim.lr < 1e-4:
-        raise ConfigError(
-            f"model.options.param_dtype={o.param_dtype} with optim.lr={cfg.optim.lr:g}: a {o.param_dtype} weight "
-            "has an 8-bit mantissa, so an Adam update of ~lr rounds away unless lr > ~2^-8 of the weight; at "
-            "lr < 1e-4 most weights never change while loss and grad norm look healthy. Use "
-            "model.options.param_dtype=float32 (fp32 master weights, bf16 compute via compute_dtype)")
+        bad("model.options.param_dtype",
+            f"{o.param_dtype} with optim.lr={cfg.optim.lr:g}: a {o.param_dtype} weight has an 8-bit mantissa, so an "
+            "Adam update of ~lr rounds away unless lr > ~2^-8 of the weight; at lr < 1e-4 most weights never "
+            "change while loss and grad norm look healthy",
+            "use model.options.param_dtype=float32 (fp32 master weights, bf16 compute via compute_dtype)")
+    from jaxrl_term.model.qwen3 import ATTENTION_KINDS
+
+    if o.attention not in ATTENTION_KINDS:
+        bad("model.options.attention", f"{o.attention!r}", f"use one of {ATTENTION_KINDS}")
     if cfg.optim.offload:
         d = cfg.mesh.distributed
         if d.enabled and (d.num_processes or 0) != 1:
-            raise ConfigError("optim.offload=true keeps the optimizer in one process's host memory; it cannot run "
-                              "with mesh.distributed.enabled (several processes): drive the node's GPUs from one "
-                              "process, or set optim.offload=false")
+            bad("optim.offload", "keeps the optimizer in one process's host memory; it cannot run with "
+                "mesh.distributed.enabled (several processes)",
+                "drive the node's GPUs from one process, or set optim.offload=false")
         if o.param_dtype != "float32":
-            raise ConfigError(f"optim.offload=true keeps fp32 master weights on the host; set "
-                              f"model.options.param_dtype=float32 (got {o.param_dtype})")
+            bad("optim.offload", f"keeps fp32 master weights on the host, but model.options.param_dtype="
+                f"{o.param_dtype}", "set model.options.param_dtype=float32")
     if o.attention == "cudnn" and cfg.trainer.pack:
-        raise ConfigError("model.options.attention=cudnn with trainer.pack=true: cuDNN's fused attention masks by "
-                          "row length only; packed rows need attention=blockwise (or trainer.pack=false)")
+        bad("model.options.attention", "cudnn with trainer.pack=true: cuDNN's fused attention masks by row length "
+            "only", "use attention=blockwise for packed rows, or trainer.pack=false")
+    # -- rollout and colocation -----------------------------------------------------------------------
+    if cfg.rollout.engine not in ("jax", "sglang"):
+        bad("rollout.engine", f"{cfg.rollout.engine!r}", "use jax or sglang")
     la = cfg.rollout.sglang.launch
     if cfg.rollout.engine == "sglang" and la.enabled and la.context_length and \
             cfg.agent.max_context_tokens > la.context_length:
-        raise ConfigError(f"agent.max_context_tokens={cfg.agent.max_context_tokens} is longer than the servers' "
-                          f"rollout.sglang.launch.context_length={la.context_length}; lower the agent's context or "
-                          "raise the servers'")
-    if cfg.rollout.sglang.colocation.mode == "time_share" and cfg.rollout.engine == "sglang" and la.enabled and \
-            cfg.trainer.max_off_policy_steps > 0:
-        raise ConfigError("rollout.sglang.colocation.mode=time_share with trainer.max_off_policy_steps > 0: servers "
-                          "release their memory during each update, so rollouts cannot overlap it; use "
-                          "colocation.mode=static for asynchronous runs (python -m jaxrl_term.plan sizes both)")
-    if cfg.rollout.sglang.colocation.mode not in ("static", "time_share", "none"):
-        raise ConfigError(f"rollout.sglang.colocation.mode={cfg.rollout.sglang.colocation.mode!r}: use static, "
-                          "time_share or none")
-    if not need_paths:
-        return
-    if not cfg.model.path and not cfg.model.random_init:
-        raise ConfigError(f"model.path: give the HF directory of {cfg.model.name} (config.json, safetensors, "
-                          "tokenizer), e.g. model.path=/models/Qwen3-8B; or model.random_init=true")
-    if cfg.data.source in (None, ""):
-        raise ConfigError("data.source: give the tasks (a task directory, a TB-RL .csv, a .parquet or builtin)")
-    if cfg.rollout.engine not in ("jax", "sglang"):
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine!r}: use jax or sglang")
+        bad("agent.max_context_tokens", f"{cfg.agent.max_context_tokens} is longer than the servers' "
+            f"rollout.sglang.launch.context_length={la.context_length}", "lower the agent's context or raise the servers'")
+    co = cfg.rollout.sglang.colocation
+    if co.mode not in ("static", "time_share", "none"):
+        bad("rollout.sglang.colocation.mode", f"{co.mode!r}", "use static, time_share or none")
+    if co.mode == "time_share" and cfg.rollout.engine == "sglang" and la.enabled and cfg.trainer.max_off_policy_steps > 0:
+        bad("rollout.sglang.colocation.mode", "time_share with trainer.max_off_policy_steps > 0: servers release "
+            "their memory during each update, so rollouts cannot overlap it",
+            "use colocation.mode=static for asynchronous runs (python -m jaxrl_term.plan sizes both)")
+    if cfg.rollout.sglang.pause_mode not in ("abort", "in_place", "retract"):
+        bad("rollout.sglang.pause_mode", f"{cfg.rollout.sglang.pause_mode!r}", "use abort, in_place or retract")
+    # -- agent, sandbox, reward, trainer --------------------------------------------------------------
+    from jaxrl_term.agent.actions import SCAFFOLDS
+
+    if cfg.agent.scaffold not in SCAFFOLDS:
+        bad("agent.scaffold", f"{cfg.agent.scaffold!r}", f"use one of {sorted(SCAFFOLDS)}")
     if cfg.sandbox.backend not in ("docker", "local", "auto"):
-        raise ConfigError(f"sandbox.backend={cfg.sandbox.backend!r}: use docker, local or auto")
+        bad("sandbox.backend", f"{cfg.sandbox.backend!r}", "use docker, local or auto")
     if cfg.reward.scoring not in ("weighted", "binary"):
-        raise ConfigError(f"reward.scoring={cfg.reward.scoring!r}: use weighted or binary")
-    if cfg.reward.judge_weight > 0 and not cfg.reward.judge.endpoints:
-        raise ConfigError("reward.judge.endpoints: reward.judge_weight > 0 needs at least one judge endpoint")
+        bad("reward.scoring", f"{cfg.reward.scoring!r}", "use weighted or binary")
     if cfg.reward.on_judge_missing not in ("renormalize", "wait"):
-        raise ConfigError(f"reward.on_judge_missing={cfg.reward.on_judge_missing!r}: use renormalize or wait")
-    if cfg.algo.group_size < 2:
-        raise ConfigError("algo.group_size must be >= 2 (advantages are relative to the group)")
+        bad("reward.on_judge_missing", f"{cfg.reward.on_judge_missing!r}", "use renormalize or wait")
+    if cfg.reward.judge_weight > 0:
+        eps = list(cfg.reward.judge.endpoints)
+        if not eps:
+            bad("reward.judge.endpoints", "reward.judge_weight > 0 needs at least one judge endpoint")
+        elif need_paths and not any(not e.api_key_env or os.environ.get(e.api_key_env) for e in eps):
+            keys = ", ".join(sorted({e.api_key_env for e in eps}))
+            if cfg.reward.on_judge_missing == "renormalize":
+                bad("reward.judge.endpoints", f"no judge in the chain has its API key ({keys} unset), so every "
+                    "judgement would be missing and reward.on_judge_missing=renormalize would silently make the "
+                    f"{cfg.reward.tests_weight:g} / {cfg.reward.judge_weight:g} reward tests-only for the whole run",
+                    f"export {keys.split(', ')[0]} (or add a keyless local endpoint), or set reward.judge_weight=0")
+            else:
+                import logging
+
+                logging.getLogger(__name__).warning("no judge API key available (%s): every judgement will wait "
+                                                    "and then be dropped", keys)
     if cfg.trainer.resume not in ("auto", "true", "false"):
-        raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: use auto, true or false")
+        bad("trainer.resume", f"{cfg.trainer.resume!r}", "use auto, true or false")
+    if cfg.trainer.max_consecutive_skips < 1:
+        bad("trainer.max_consecutive_skips", f"{cfg.trainer.max_consecutive_skips} must be >= 1")
+    if not need_paths:
+        return out
+    # -- paths ----------------------------------------------------------------------------------------
+    if not cfg.model.path and not cfg.model.random_init:
+        bad("model.path", f"missing: give the HF directory of {cfg.model.name} (config.json, safetensors, tokenizer)",
+            "e.g. model.path=/models/Qwen3-8B; or model.random_init=true")
+    elif cfg.model.path:
+        mp = Path(os.path.expanduser(str(cfg.model.path)))
+        if not mp.is_dir():
+            bad("model.path", f"{mp} is not a directory", "give an HF model directory (config.json + safetensors)")
+        else:
+            if not (mp / "config.json").is_file():
+                bad("model.path", f"{mp} has no config.json", "give an HF model directory")
+            if not any(mp.glob("*.safetensors")) and not (mp / "model.safetensors.index.json").is_file():
+                bad("model.path", f"{mp} has no *.safetensors weights", "convert the checkpoint to safetensors")
+    try:
+        tok = str(cfg.model.tokenizer) if cfg.model.tokenizer is not None else ""
+    except Exception:  # noqa: BLE001 - an interpolation such as ${model.path} with model.path unset
+        tok = ""
+        if cfg.model.path:
+            bad("model.tokenizer", "cannot be resolved", "give model.tokenizer=DIR, tiny or qwen3")
+    if tok and tok not in ("tiny", "qwen3") and not (Path(os.path.expanduser(tok)) / "tokenizer.json").is_file():
+        bad("model.tokenizer", f"{tok} has no tokenizer.json", "give an HF tokenizer directory, or tiny / qwen3")
+    src = cfg.data.source
+    if src in (None, ""):
+        bad("data.source", "missing: give the tasks", "a task directory, a TB-RL .csv, a .parquet or builtin[:split]")
+    elif str(src).startswith("builtin"):
+        from jaxrl_term.tasks.builtin import DIFFICULTIES, FAMILIES, SPLITS
+
+        split = str(src).partition(":")[2] or cfg.data.split
+        if split not in SPLITS:
+            bad("data.split" if ":" not in str(src) else "data.source", f"split {split!r}", f"use one of {SPLITS}")
+        for f in cfg.data.families or ():
+            if f not in FAMILIES:
+                bad("data.families", f"{f!r} is not a built-in family", f"use some of {sorted(FAMILIES)}")
+        for d in cfg.data.difficulties or ():
+            if d not in DIFFICULTIES:
+                bad("data.difficulties", f"{d!r}", f"use some of {DIFFICULTIES}")
+    elif not Path(os.path.expanduser(str(src))).exists():
+        bad("data.source", f"{src} does not exist", "a task directory, a TB-RL .csv, a .parquet or builtin[:split]")
+    return out
+
+
+def format_problems(problems) -> str:
+    return "\n".join(f"config error: {k}: {what}" + (f"; {fix}" if fix else "") for k, what, fix in problems)
+
+
+def validate(cfg, *, need_paths: bool = True, training: bool = True) -> None:
+    """``preflight`` as an exception: every problem at once, one line each."""
+    problems = preflight(cfg, need_paths=need_paths, training=training)
+    if problems:
+        raise ConfigError(format_problems(problems).removeprefix("config error: "))
 
 
 def register() -> None:

@@ -273,14 +273,14 @@ def verdict(train: TrainPlan, colo, servers, cfg_host_memory_gb: float = 0.0) ->
 
 
 def run(overrides: list[str], *, flops: bool = True, as_json: str | None = None) -> dict:
-    from jaxrl_term.config import ConfigError, preflight_for_plan
+    from jaxrl_term.config import format_problems, preflight
     from jaxrl_term.rollout.colocation import colocation_plan, server_plans
 
     cfg = compose(overrides)
-    try:
-        preflight_for_plan(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    problems = preflight(cfg, need_paths=False, training=False)
+    if problems:
+        print(format_problems(problems), file=sys.stderr)
+        raise SystemExit(2)
     n = cluster_devices(cfg)
     fake_devices(n)
     train = plan_training(cfg, flops=flops)
@@ -367,4 +367,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxrl_term.utils.cli import guard
+
+    sys.exit(guard(main)())

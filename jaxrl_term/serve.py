@@ -486,4 +486,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from jaxrl_term.utils.cli import guard
+
+    sys.exit(guard(main)())

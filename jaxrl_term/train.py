@@ -16,13 +16,14 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 
 import hydra
 from omegaconf import OmegaConf
 
-from jaxrl_term.config import Config, ConfigError, model_from_cfg, register, validate
+from jaxrl_term.config import Config, format_problems, model_from_cfg, preflight, register
 
 log = logging.getLogger("jaxrl_term.train")
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -216,7 +217,10 @@ class Trainer:
         local = self.launcher.urls if self.launcher is not None else []
         urls = [u for node in self.channel.gather_json("servers", local) for u in node]
         if self.lead:
-            self.engine = make_sglang_engine(self.cfg, list(self.cfg.rollout.sglang.urls) + urls)
+            # servers launched here start at version 0 (model.path); servers given by URL have an unknown version
+            # until the first sync
+            version = 0 if self.launcher is not None and not self.cfg.rollout.sglang.urls else None
+            self.engine = make_sglang_engine(self.cfg, list(self.cfg.rollout.sglang.urls) + urls, version)
             await self.engine.wait_ready(self.cfg.rollout.sglang.launch.ready_timeout_s)
         self.channel.barrier("engine_ready")
 
@@ -247,6 +251,10 @@ class Trainer:
         """Process 0's sandbox backend and image builder (reaping leftovers of earlier runs first)."""
         sb = self.cfg.sandbox
         self.backend, self.builder = resolve_backend(sb.backend), None
+        if self.backend == "local":
+            from jaxrl_term.sandbox.local import reap as reap_local
+
+            reap_local()
         if self.backend == "docker":
             from jaxrl_term.sandbox.docker import reap
             from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP, ImageBuilder
@@ -257,7 +265,22 @@ class Trainer:
                                         max_parallel_builds=sb.max_parallel_builds)
 
     # -- one step ---------------------------------------------------------------------------------
-    def build_batch(self, groups):
+    _skips = 0
+
+    def count_skips(self, hist) -> int:
+        """Call once per step: consecutive steps whose every update was skipped."""
+        self._skips = self._skips + 1 if all(h.get("skipped", 0.0) for h in hist) else 0
+        return self._skips
+
+    @staticmethod
+    def skip_reason(m: dict) -> str:
+        if m.get("tokens", 1.0) == 0:
+            return "the batch has no loss tokens"
+        if m.get("no_signal"):
+            return "no token has a non-zero advantage (all rewards in every group equal)"
+        return f"the gradient is not finite (grad_norm={m.get('grad_norm')})"
+
+    def build_batch(self, groups, step: int):
         import numpy as np
 
         from jaxrl_term.rl.advantages import check_rewards, group_advantages
@@ -265,7 +288,8 @@ class Trainer:
 
         rewards = check_rewards(np.array([g.rewards for g in groups], np.float32))
         adv = group_advantages(rewards, self.algo.advantage, std_ddof=self.algo.std_ddof)
-        samples = [Sample(t.token_ids, t.loss_mask, t.logprobs, float(a))
+        # fresh: sampled by the weights this step trains (lag 0); the engine/trainer gap is measured on those only
+        samples = [Sample(t.token_ids, t.loss_mask, t.logprobs, float(a), fresh=g.version >= step)
                    for g, row in zip(groups, adv) for t, a in zip(g.trajectories, row)]
         batch = make_batch(samples, buckets=self.cfg.trainer.buckets, row_multiple=self.ts.shards,
                            pack=self.cfg.trainer.pack, vocab_size=self.arch.vocab_size)
@@ -301,7 +325,13 @@ class Trainer:
         m["episode/duration_s_mean"] = float(np.mean([t.duration_s for t in trajs]))
         for k, v in hist[-1].items():
             m[f"train/{k}"] = v
+        # engine vs trainer numerics from the first update's forward pass (the weights that sampled the fresh
+        # rows), not after epochs of updates
+        for k in ("logp_gap_mean", "logp_gap_max", "mismatch_kl", "fresh_tokens"):
+            if k in hist[0]:
+                m[f"train/{k}"] = hist[0][k]
         m["train/updates"] = len(hist)
+        m["train/skipped_updates"] = sum(h.get("skipped", 0.0) for h in hist)
         m.update(pipeline.take_counters())
         m.update(self.reward.take_stats())
         judged = [t.reward_parts.get("judge") for t in trajs if "judge" in t.reward_parts]
@@ -366,7 +396,7 @@ class Trainer:
                 arrays = meta = groups = rewards = None
                 if self.lead:
                     groups = await pipeline.get_batch(step)
-                    batch, rewards, _ = self.build_batch(groups)
+                    batch, rewards, _ = self.build_batch(groups, step)
                     arrays, meta = batch_arrays(batch), {"seq": pipeline.consumed}
                     if time_share:  # the servers are idle (synchronous run): free their memory for the update
                         await self.engine.release_memory()
@@ -387,6 +417,12 @@ class Trainer:
                 if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
                     self.ckpt.save(step + 1, self.state, {"step": step + 1, "seq": int(meta["seq"]),
                                                           "policy_version": step + 1})
+                skips = self.count_skips(hist)  # the same metrics on every process: all stop together
+                if skips >= tcfg.max_consecutive_skips:
+                    raise RuntimeError(
+                        f"no update was applied in {skips} consecutive steps (trainer.max_consecutive_skips="
+                        f"{tcfg.max_consecutive_skips}): last reason: {self.skip_reason(hist[-1])}. Check the "
+                        "rewards (every group equal?), algo.advantage, and the loss mask")
                 t4 = time.monotonic()
                 digest = params_digest(self.state.params) if tcfg.log_param_digest else None  # collective
                 if self.lead:
@@ -395,6 +431,7 @@ class Trainer:
                              "checkpoint_s": t4 - t3, "step_s": time.monotonic() - t0, "overlap_s": overlap,
                              "overlap_frac": overlap / max(t2 - t1, 1e-9)}
                     m = self.step_metrics(step, groups, rewards, hist, times, pipeline)
+                    m["train/consecutive_skips"] = skips
                     if digest is not None:
                         m["params_digest"] = digest
                     self.metrics.log(step, m)
@@ -449,12 +486,18 @@ def print_summary(summary: dict) -> None:
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: Config) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxrl_term.sandbox.base import unwind_on_sigterm
+
+    unwind_on_sigterm()  # SIGTERM closes sandboxes and servers like an exception would
     for noisy in ("httpx", "absl", "jax._src.xla_bridge", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        validate(cfg)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    problems = preflight(cfg)  # a sweep's jobs, and anything the early check could not see
+    if problems:
+        print(format_problems(problems), file=sys.stderr)
+        sys.exit(2)
+    if cfg.trainer.dry_run:
+        print("preflight: ok")
+        return
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     trainer = Trainer(cfg)
@@ -464,5 +507,40 @@ def main(cfg: Config) -> None:
         print_summary(summary)
 
 
+HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve",
+               "--shell-completion", "-sc", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+               "--config-dir", "-cd", "--version")
+
+
+def early_preflight(argv: list[str]) -> list[str]:
+    """Check the config before Hydra creates a run directory (it does so before calling ``main``): compose the
+    same config with Hydra's compose API, print every problem as ``config error: KEY: what; fix`` and exit 2.
+    ``--preflight`` runs only this. Sweeps and Hydra's own flags go straight to Hydra (``main`` checks each job).
+    Returns argv without ``--preflight``."""
+    dry = "--preflight" in argv
+    argv = [a for a in argv if a != "--preflight"]
+    if any(a.split("=")[0] in HYDRA_FLAGS for a in argv):
+        return argv
+    try:
+        from jaxrl_term.plan import compose
+
+        cfg = compose([a for a in argv if not a.startswith("-")])
+    except Exception as e:  # noqa: BLE001 - Hydra's own composition errors: unknown keys, types, groups
+        msg = str(e).strip() or type(e).__name__
+        if e.__cause__ is not None and str(e.__cause__).strip() not in msg:
+            msg += "\n" + str(e.__cause__).strip()
+        print(f"config error: {msg}", file=sys.stderr)
+        sys.exit(2)
+    problems = preflight(cfg)
+    if problems:
+        print(format_problems(problems), file=sys.stderr)
+        sys.exit(2)
+    if dry or cfg.trainer.dry_run:
+        print("preflight: ok (nothing was built)")
+        sys.exit(0)
+    return argv
+
+
 if __name__ == "__main__":
+    sys.argv[1:] = early_preflight(sys.argv[1:])
     main()

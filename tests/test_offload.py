@@ -214,22 +214,30 @@ def test_clipping_matches_optax(steps):
 
 
 def test_weight_decay_applies_to_matrices_and_not_to_norms(steps):
+    """The decay mask (step.py's _decay_mask) on every leaf, and the host kernel on a zero gradient: Adam's step is
+    0 / (0 + eps), so the update is the decay alone, p - lr * wd * p (a batch with no learning signal is skipped
+    before it reaches the kernel, see test_skipped_update_leaves_everything_bit_identical)."""
+    from jaxrl_term.rl.offload import _adamw_slice, _hyper, _step_scalars
+
     _, off = steps("one")
-    # zero advantages give zero gradients, so Adam's first step is 0 / (0 + eps): the update is decay alone,
-    # p - lr * wd * p
-    zero = make_batch([dataclasses.replace(s, advantage=0.0) for s in samples(16)], buckets=(32,), row_multiple=8)
-    state, m = off(off.init_state(params0()), zero)
-    assert m["skipped"] == 0.0 and m["grad_norm"] == 0.0
+    decays = {leaf.shape: leaf.decay for leaf in off.leaves}
+    names = jax.tree_util.tree_leaves_with_path(params0())
     lr, wd = np.float32(ADAMW.lr), np.float32(ADAMW.weight_decay)
+    scalars = _step_scalars(jnp.zeros((), jnp.int32), jnp.float32(0.0), hyper=_hyper(ADAMW))
+    scalars = {k: v for k, v in scalars.items() if k != "lr"}
     decayed = []
-    p0 = jax.tree.map(np.asarray, params0())
-    for (path, p), q in zip(jax.tree_util.tree_leaves_with_path(p0), jax.tree.leaves(off.master_params(state))):
-        if str(path[-1].key).endswith("norm"):
-            np.testing.assert_array_equal(q, p)
+    for (path, p), leaf in zip(names, off.leaves, strict=True):
+        name = str(path[-1].key)
+        assert leaf.decay == (not name.endswith("norm")), name
+        p = np.asarray(p, np.float32)
+        q, _, _, _ = _adamw_slice(jnp.array(p), jnp.zeros_like(p), jnp.zeros_like(p), jnp.zeros_like(p), scalars,
+                                  decay=leaf.decay, hyper=_hyper(ADAMW), cdtype="float32")
+        if leaf.decay:
+            np.testing.assert_allclose(np.asarray(q), p - lr * (wd * p), rtol=2.4e-7, atol=0)  # 2 ulps
+            decayed.append(name)
         else:
-            np.testing.assert_allclose(q, p - lr * (wd * p), rtol=2.4e-7, atol=0)  # 2 ulps
-            decayed.append(str(path[-1].key))
-    assert {"q_proj", "down_proj", "embed_tokens", "lm_head"} <= set(decayed)
+            np.testing.assert_array_equal(np.asarray(q), p)
+    assert {"q_proj", "down_proj", "embed_tokens", "lm_head"} <= set(decayed) and decays
 
 
 def test_multi_process_and_bf16_master_are_refused(monkeypatch):

@@ -162,7 +162,7 @@ def test_bad_samples_are_refused_with_their_index():
         make_batch([dataclasses.replace(good, loss_mask=[1, 1, 1])])
     with pytest.raises(BatchError, match="vocab_size"):
         make_batch([dataclasses.replace(good, tokens=[1, 2, 999])], vocab_size=128)
-    with pytest.raises(ValueError, match="registered losses"):
+    with pytest.raises(ValueError, match="not a registered loss"):
         AlgoConfig(loss="reinforce++")
 
 

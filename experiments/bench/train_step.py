@@ -64,7 +64,7 @@ def worker_ours(name: str, ckpt: str, steps: int) -> list[float]:
     b, t = tokens.shape
     batch = Batch(tokens=tokens, positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)),
                   segment_ids=np.ones((b, t), np.int32), loss_mask=mask, advantages=adv, rollout_logp=rollout,
-                  old_logp=rollout, ref_logp=np.zeros_like(rollout))
+                  old_logp=rollout, ref_logp=np.zeros_like(rollout), fresh=np.ones_like(rollout))
     times = []
     for i in range(steps + 2):
         t0 = time.perf_counter()

@@ -162,4 +162,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jaxrl_term.utils.cli import guard
+
+    raise SystemExit(guard(main)())

@@ -29,6 +29,7 @@ class Sample:
     loss_mask: Sequence[int]
     rollout_logprobs: Sequence[float]
     advantage: float
+    fresh: bool = True  # sampled entirely by the weights being trained (lag 0): its engine/trainer gap is numerics
 
 
 @struct.dataclass
@@ -43,6 +44,7 @@ class Batch:
     rollout_logp: np.ndarray  # float32, engine log-probs (mu)
     old_logp: np.ndarray  # float32, behaviour log-probs for PPO ratios (defaults to rollout_logp)
     ref_logp: np.ndarray  # float32, reference-policy log-probs (zeros unless a KL term is used)
+    fresh: np.ndarray  # float32, 1 on the tokens of samples drawn by the weights being trained (lag 0)
 
     @property
     def attention_mask(self):
@@ -125,6 +127,7 @@ def make_batch(
         "loss_mask": np.zeros((n_rows, t), np.float32),
         "advantages": np.zeros((n_rows, t), np.float32),
         "rollout_logp": np.zeros((n_rows, t), np.float32),
+        "fresh": np.zeros((n_rows, t), np.float32),
     }
     for r, members in enumerate(rows):
         at = 0
@@ -138,6 +141,7 @@ def make_batch(
             out["loss_mask"][r, sl] = mask
             out["advantages"][r, sl] = samples[i].advantage
             out["rollout_logp"][r, sl] = lp
+            out["fresh"][r, sl] = 1.0 if samples[i].fresh else 0.0
             at += n
     return Batch(**out, old_logp=out["rollout_logp"].copy(), ref_logp=np.zeros_like(out["rollout_logp"]))
 

@@ -39,10 +39,14 @@ def ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, d
     return loss * mask
 
 
-def ppo_clip_fraction(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2):
-    """1 where the clipped branch is the active one (the token gives no gradient), else 0."""
+def ppo_clip_fraction(logp, old_logp, advantages, eps_low=0.2, eps_high=0.2, dual_clip=None):
+    """1 where a clipped branch is the active one (the token gives no gradient), else 0: the PPO clip, and with
+    ``dual_clip`` also A < 0 tokens whose ratio exceeds it (the loss is the constant -c A there)."""
     r = _ratio(logp, old_logp)
-    return ((advantages > 0) & (r > 1 + eps_high)) | ((advantages < 0) & (r < 1 - eps_low))
+    out = ((advantages > 0) & (r > 1 + eps_high)) | ((advantages < 0) & (r < 1 - eps_low))
+    if dual_clip is not None:
+        out = out | ((advantages < 0) & (r > dual_clip))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ DPPO
@@ -165,10 +169,17 @@ def register_loss(name: str):
 
 
 def _common_metrics(x, mask) -> dict[str, jax.Array]:
-    gap = jnp.abs(x["logp"] - x["rollout_logp"]) * mask
+    """Engine-vs-trainer numerics on *fresh* tokens only (``x["fresh"]``: sampled by the weights being trained,
+    lag 0): on older rows the difference is policy drift, not numeric mismatch. ``mismatch_kl`` is the k3
+    estimate of KL(engine || trainer) from the engine's samples: exp(logp - mu) - 1 - (logp - mu)."""
+    fresh = mask * x.get("fresh", jnp.ones_like(mask))
+    diff = jnp.clip(x["logp"] - x["rollout_logp"], -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    gap = jnp.abs(diff) * fresh
     return {
-        "logp_gap_mean": gap,  # engine vs trainer
+        "logp_gap_mean": gap,  # engine vs trainer, summed over fresh tokens (the step divides by their count)
         "logp_gap_max": gap,  # reduced with max
+        "mismatch_kl": (jnp.exp(diff) - 1.0 - diff) * fresh,
+        "fresh_tokens": fresh,
         "entropy": x["entropy"] * mask,
     }
 
@@ -183,7 +194,8 @@ def _ppo(x, cfg):
         w = tis_weights(old, x["rollout_logp"], cfg.tis_cap)
         loss = loss * w
         m["tis_weight"] = w * mask
-    m["clip_frac"] = ppo_clip_fraction(x["logp"], old, x["advantages"], cfg.eps_low, cfg.eps_high) * mask
+    m["clip_frac"] = ppo_clip_fraction(x["logp"], old, x["advantages"], cfg.eps_low, cfg.eps_high,
+                                       cfg.dual_clip) * mask
     m["ratio"] = _ratio(x["logp"], old) * mask
     return loss, m
 

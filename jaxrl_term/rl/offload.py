@@ -367,15 +367,26 @@ class HostOffloadTrainStep:
         acc = [_scale(a, inv) for a in acc]
         grad_norm = float(np.sqrt(sum(float(_sumsq(a)) for a in acc)))
         ok = denom > 0 and np.isfinite(grad_norm)
+        from jaxrl_term.rl.step import COUNT_METRICS, FRESH_METRICS
+
+        fresh = sum(p.get("fresh_tokens", p["tokens"]) for p in parts)
+        signal = sum(p.get("signal_tokens", 0.0) for p in parts)
+        no_signal = all(p.get("no_signal", 0.0) for p in parts)
+        ok = ok and not no_signal
         metrics = {}
         for k in parts[0]:
             if k == "logp_gap_max":
                 metrics[k] = max(p[k] for p in parts)
             elif k == "loss":
                 metrics[k] = sum(p[k] * p["denominator"] for p in parts) / max(denom, 1e-8)
-            elif k not in ("grad_norm", "tokens", "skipped", "denominator"):
+            elif k in COUNT_METRICS:
+                metrics[k] = sum(p[k] for p in parts)
+            elif k in FRESH_METRICS:
+                metrics[k] = sum(p[k] * p.get("fresh_tokens", p["tokens"]) for p in parts) / max(fresh, 1.0)
+            elif k not in ("grad_norm", "tokens", "skipped", "denominator", "no_signal"):
                 metrics[k] = sum(p[k] * p["tokens"] for p in parts) / max(tokens, 1.0)
         metrics.update(grad_norm=grad_norm, tokens=tokens, denominator=denom, skipped=0.0 if ok else 1.0,
+                       no_signal=1.0 if no_signal else 0.0, signal_tokens=signal,
                        **{"offload/accumulate_s": time.perf_counter() - t0})
         return (lambda k: acc[k]), ok, metrics
 

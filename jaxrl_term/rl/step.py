@@ -57,12 +57,58 @@ class AlgoConfig:
     microbatches: int = 1  # at least this many microbatches (memory); rows are padded only to the shard count
 
     def __post_init__(self):
+        errors = self.problems()
+        if errors:
+            raise ValueError("; ".join(f"algo.{k}: {msg}" for k, msg in errors))
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, what is wrong and how to fix it) for every setting that cannot run or silently does nothing."""
+        from jaxrl_term.rl.advantages import ESTIMATORS
+        from jaxrl_term.rl.losses import AGG_MODES
+
+        out: list[tuple[str, str]] = []
         if self.loss not in POLICY_LOSSES:
-            raise ValueError(f"algo.loss={self.loss!r}; registered losses: {sorted(POLICY_LOSSES)}")
+            out.append(("loss", f"{self.loss!r} is not a registered loss; use one of {sorted(POLICY_LOSSES)}"))
+        if self.advantage not in ESTIMATORS:
+            out.append(("advantage", f"{self.advantage!r} is not a registered estimator; use one of "
+                                     f"{sorted(ESTIMATORS)}"))
+        if self.aggregation not in AGG_MODES:
+            out.append(("aggregation", f"{self.aggregation!r}; use one of {AGG_MODES}"))
+        if self.aggregation == "seq-mean-token-sum-norm" and not self.norm_len:
+            out.append(("norm_len", "aggregation seq-mean-token-sum-norm needs a constant length; set algo.norm_len"))
+        if self.divergence not in ("binary_tv", "binary_kl"):
+            out.append(("divergence", f"{self.divergence!r}; use binary_tv or binary_kl"))
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            out.append(("kl_estimator", f"{self.kl_estimator!r}; use k1, k2 or k3"))
+        if self.tis_cap and not self.recompute_old_logp:
+            out.append(("tis_cap", "truncated importance sampling reweights by exp(old_logp - rollout_logp), and "
+                                   "without algo.recompute_old_logp=true old_logp is a copy of the rollout log-probs: "
+                                   "every weight is 1 (a silent no-op); set algo.recompute_old_logp=true and "
+                                   "algo.use_old_logp=true, or algo.tis_cap=null"))
         if self.tis_cap and not self.use_old_logp:
-            raise ValueError("algo.tis_cap needs algo.use_old_logp=true (TIS reweights old/rollout)")
-        if self.epochs > 1 and not self.use_old_logp and self.loss == "ppo_clip":
-            raise ValueError("algo.epochs > 1 with ppo_clip needs use_old_logp=true and recompute_old_logp=true")
+            out.append(("tis_cap", "TIS needs the recomputed old policy as the ratio's base; set algo.use_old_logp=true"))
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            out.append(("tis_cap", f"{self.tis_cap} must be > 0 (or null)"))
+        if self.use_old_logp and not self.recompute_old_logp:
+            out.append(("use_old_logp", "without algo.recompute_old_logp=true old_logp is a copy of the rollout "
+                                        "log-probs, so this changes nothing; set recompute_old_logp=true too"))
+        if self.epochs > 1 and self.loss == "ppo_clip" and not (self.use_old_logp and self.recompute_old_logp):
+            out.append(("epochs", "several passes over a batch with ppo_clip need the ratio against the policy "
+                                  "before the update: set algo.use_old_logp=true and algo.recompute_old_logp=true"))
+        if self.epochs < 1:
+            out.append(("epochs", f"{self.epochs} must be >= 1"))
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            out.append(("dual_clip", f"{self.dual_clip} must be > 1 (the lower bound -c A on the loss of A < 0 "
+                                     "tokens; <= 1 would clip every negative-advantage token), or null"))
+        if not self.temperature > 0:
+            out.append(("temperature", f"{self.temperature}: log-probs of softmax(logits / T) are undefined at T <= 0 "
+                                       "(greedy decoding has no sampling distribution to learn from); use "
+                                       "rollout.temperature > 0 for training"))
+        if self.group_size < 2:
+            out.append(("group_size", "must be >= 2 (advantages are relative to the group)"))
+        if self.microbatches < 1:
+            out.append(("microbatches", f"{self.microbatches} must be >= 1"))
+        return out
 
 
 @dataclasses.dataclass
@@ -119,6 +165,35 @@ class TrainState:
     opt_state: Any
     step: jax.Array  # int32 scalar
     rng: jax.Array  # uint32[2] (raw key: checkpoints stay plain arrays)
+
+
+# metrics averaged over fresh tokens (rows sampled by the weights being trained), not over all loss tokens
+FRESH_METRICS = ("logp_gap_mean", "mismatch_kl")
+COUNT_METRICS = ("fresh_tokens", "signal_tokens")
+
+
+def finalize_metrics(sums: dict, tokens) -> dict:
+    """Summed per-token metrics -> reported values: means over loss tokens, gap metrics over fresh tokens,
+    ``logp_gap_max`` as is, counts as counts."""
+    ntok = jnp.maximum(tokens, 1.0)
+    fresh = jnp.maximum(sums.get("fresh_tokens", tokens), 1.0)
+    out = {}
+    for k, v in sums.items():
+        if k == "logp_gap_max" or k in COUNT_METRICS:
+            out[k] = v
+        elif k in FRESH_METRICS:
+            out[k] = v / fresh
+        else:
+            out[k] = v / ntok
+    return out
+
+
+def optimizer_count(opt_state) -> jax.Array:
+    """The schedule's step: optax's own count (it does not advance on skipped updates), not ``TrainState.step``."""
+    for path, value in optax.tree_utils.tree_get_all_with_path(opt_state, "count"):
+        if any(getattr(k, "tuple_name", "") == "ScaleByScheduleState" for k in path):
+            return value
+    return optax.tree_utils.tree_get(opt_state, "count")
 
 
 METRIC_SUMS = ("logp_gap_mean", "entropy", "clip_frac", "masked_frac", "ratio", "tis_weight", "kl")
@@ -256,10 +331,11 @@ def make_train_step(
         ts.optimizer, lambda _, s: s, abstract_opt, ts.param_shardings, transform_non_params=lambda _: replicated
     )
     ts.state_shardings = TrainState(ts.param_shardings, opt_shardings, replicated, replicated)
-    batch_sh = jax.tree.map(lambda _: ts.batch_sharding, Batch(*([0] * 8)))
+    batch_sh = jax.tree.map(lambda _: ts.batch_sharding, Batch(*([0] * len(dataclasses.fields(Batch)))))
     loss_fn = POLICY_LOSSES[algo_cfg.loss]
     algo = algo_cfg
     schedule = make_schedule(optim_cfg)
+    needs_signal = algo.loss != "nll" and not algo.kl_coef
 
     def forward(params, x: Batch):
         model = nnx.merge(graphdef, params)
@@ -270,8 +346,11 @@ def make_train_step(
     def numerator(params, x: Batch):
         logp, ent = forward(params, x)
         inputs = dict(logp=logp, entropy=ent, rollout_logp=x.rollout_logp, old_logp=x.old_logp,
-                      advantages=x.advantages, loss_mask=x.loss_mask)
+                      advantages=x.advantages, loss_mask=x.loss_mask, fresh=x.fresh)
         per_tok, metrics = loss_fn(inputs, algo)
+        # tokens that carry a learning signal: a non-zero advantage (the nll warm-start loss and a KL term
+        # have a gradient without one)
+        metrics["signal_tokens"] = (x.advantages != 0) * x.loss_mask
         if algo.kl_coef:
             kl = kl_penalty(logp, x.ref_logp, algo.kl_estimator) * x.loss_mask
             per_tok = per_tok + algo.kl_coef * kl
@@ -316,12 +395,15 @@ def make_train_step(
         (grads, num, msum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), metric0), mb,
                                              unroll=options.unroll or 1)
         grad_norm = optax.global_norm(grads)
-        # An all-masked batch or a non-finite gradient skips the update: params never become NaN.
-        ok = (denom > 0) & jnp.isfinite(grad_norm)
-        ntok = jnp.maximum(tokens, 1.0)
-        metrics = {k: (v if k == "logp_gap_max" else v / ntok) for k, v in msum.items()}
+        # Skip the update (params and optimizer state untouched: AdamW's momentum and decay would still move the
+        # weights) when there is nothing to learn from: no loss token, no token with a non-zero advantage, or a
+        # non-finite gradient.
+        signal = msum["signal_tokens"] > 0 if needs_signal else jnp.bool_(True)
+        ok = (denom > 0) & jnp.isfinite(grad_norm) & signal
+        metrics = finalize_metrics(msum, tokens)
         metrics.update(loss=num / safe_denom, grad_norm=grad_norm, tokens=tokens,
-                       skipped=1.0 - ok.astype(jnp.float32), denominator=denom)
+                       skipped=1.0 - ok.astype(jnp.float32), no_signal=1.0 - signal.astype(jnp.float32),
+                       denominator=denom)
         return grads, ok, metrics
 
     def apply(params, opt_state, grads):
@@ -340,7 +422,7 @@ def make_train_step(
 
         params, opt_state = jax.lax.cond(ok, apply, keep, state.params, state.opt_state, grads)
         key, _ = jax.random.split(state.rng)
-        metrics["lr"] = schedule(state.step)
+        metrics["lr"] = schedule(optimizer_count(state.opt_state))  # optax's count: it skips skipped steps
         return TrainState(params, opt_state, state.step + 1, key), metrics
 
     # The gradient alone (for an optimizer that lives elsewhere, e.g. on the host): grads sharded like the

@@ -111,6 +111,7 @@ class _Request:
     lps: list[float] = dataclasses.field(default_factory=list)
     cached: int = 0
     t_first: float | None = None
+    version: int | None = None  # the weights' version when its first token was computed
 
 
 class JaxEngine:
@@ -178,8 +179,11 @@ class JaxEngine:
                               retryable=False) from e
         with self._lock:
             self._pending = (params, version)
-        if self._paused.is_set() or not any(self.slots):
-            self._apply_pending()
+        # Only the engine thread swaps the weights, between two of its own steps (here, the event loop could swap
+        # them in the middle of a prefill and mix two policies in one turn). It does so as soon as nothing is
+        # running or the engine is paused; new requests wait meanwhile, as in SGLang's update without a pause.
+        while self._pending is not None and self._thread.is_alive():
+            await asyncio.sleep(0.002)
 
     def _apply_pending(self) -> None:
         with self._lock:
@@ -250,7 +254,10 @@ class JaxEngine:
         return await req.future
 
     def _finish(self, req: _Request, reason: str, matched=None) -> None:
-        gen = Generation(list(req.out), list(req.lps), reason, self.weight_version, matched, len(req.ids), req.cached)
+        # tagged with the oldest weights that produced any of its tokens (an in-place pause can update the weights
+        # in the middle of a request)
+        version = self.weight_version if req.version is None else min(req.version, self.weight_version)
+        gen = Generation(list(req.out), list(req.lps), reason, version, matched, len(req.ids), req.cached)
         req.loop.call_soon_threadsafe(lambda: req.future.done() or req.future.set_result(gen))
 
     def _fail(self, req: _Request, exc: Exception) -> None:
@@ -317,6 +324,8 @@ class JaxEngine:
 
     def _admit(self, req: _Request) -> None:
         seq = req.ids + req.out  # a retracted request resumes from what it has generated so far
+        if req.version is None:
+            req.version = self.weight_version
         free = [i for i, r in enumerate(self.slots) if r is None]
         slot, common = free[0], 0
         if self.cfg.prefix_reuse and not self.cfg.deterministic:

@@ -36,7 +36,7 @@ def launch_local_servers(cfg, run_dir: Path, *, weight_version: int = 0):
     return launcher
 
 
-def make_sglang_engine(cfg, urls: list[str]):
+def make_sglang_engine(cfg, urls: list[str], weight_version: int | None = None):
     from jaxrl_term.rollout.sglang import SGLangEngine
 
     s = cfg.rollout.sglang
@@ -45,7 +45,7 @@ def make_sglang_engine(cfg, urls: list[str]):
     return SGLangEngine(urls, router=s.router, request_timeout_s=s.request_timeout_s, max_retries=s.max_retries,
                         backoff_s=s.backoff_s, pause_mode=s.pause_mode,
                         context_length=s.context_length or (s.launch.context_length if s.launch.enabled else None),
-                        abort_retries=s.abort_retries, idle_timeout_s=s.idle_timeout_s)
+                        abort_retries=s.abort_retries, idle_timeout_s=s.idle_timeout_s, weight_version=weight_version)
 
 
 def make_jax_engine(cfg, model, tokenizer, weight_version: int):

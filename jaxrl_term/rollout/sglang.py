@@ -164,6 +164,7 @@ class SGLangEngine:
         context_length: int | None = None,
         abort_retries: int = 3,
         idle_timeout_s: float = 60.0,
+        weight_version: int | None = None,
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
@@ -175,6 +176,7 @@ class SGLangEngine:
         self.router, self.max_retries, self.backoff_s = router, max_retries, backoff_s
         self.down_cooldown_s, self.pause_mode = down_cooldown_s, pause_mode
         self.abort_retries, self.idle_timeout_s = abort_retries, idle_timeout_s
+        self.weight_version = weight_version  # the version every server had when this engine last updated them
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s), headers=headers,
@@ -283,13 +285,19 @@ class SGLangEngine:
             if max_new < 1:  # no room: finish "length" with nothing generated, as if the context had filled up
                 return Generation([], [], "length", None, None, len(ids), None)
             body = request_body(ids, sampling.replace(max_new_tokens=max_new), uuid.uuid4().hex)
+            submitted = self.weight_version  # SGLang reports the version at *output* time: keep the older one
             r = await self._post("/generate", body, session=session)
             if r.status_code >= 400:
                 raise EngineError(f"/generate: HTTP {r.status_code}: {r.text[:500]}", retryable=False)
             obj = r.json()
             fr = _finish(obj)
             if fr.get("type") != "abort":
-                return parse_generation(obj)
+                gen = parse_generation(obj)
+                if submitted is not None:
+                    reported = gen.weight_version
+                    gen = dataclasses.replace(gen, weight_version=submitted if reported is None else
+                                              min(submitted, reported))
+                return gen
             last = str(fr.get("message", ""))
             self.aborts_retried += 1
             log.info("%s: request aborted (%s); sending it again", self.urls[i], last)
@@ -353,6 +361,7 @@ class SGLangEngine:
         if errors:
             raise EngineError("weight update to version %s failed on %d server(s): %s"
                               % (version, len(errors), "; ".join(errors)), retryable=False)
+        self.weight_version = version
 
     async def _update_one(self, i: int, path: str, version: int) -> str | None:
         """Pause, update, continue one server; returns what went wrong, or None."""

@@ -554,4 +554,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxrl_term.utils.cli import guard
+
+    sys.exit(guard(main)())

@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--skip-bad", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from jaxrl_term.sandbox.base import unwind_on_sigterm
+
+    unwind_on_sigterm()
     errors: list[str] = []
     try:
         tasks = load_tasks(args.src, skip_bad=args.skip_bad, errors=errors)
@@ -82,4 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxrl_term.utils.cli import guard
+
+    sys.exit(guard(main)())

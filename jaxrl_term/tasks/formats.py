@@ -368,9 +368,11 @@ def load_tasks(source: str | os.PathLike, *, skip_bad: bool = False, errors: lis
     With ``skip_bad`` a task that fails to load is logged (and appended to ``errors``) and the rest load.
     """
     if str(source).startswith("builtin"):
-        from jaxrl_term.tasks.builtin import builtin_tasks
+        from jaxrl_term.tasks.builtin import SPLITS, builtin_tasks
 
-        _, _, split = str(source).partition(":")
+        name, _, split = str(source).partition(":")
+        if name != "builtin" or (split or "train") not in SPLITS:
+            raise TaskFormatError(f"{source}: the built-in tasks are builtin, builtin:train or builtin:heldout")
         return builtin_tasks(1, split=split or "train")
     src = Path(source)
     if not src.exists():
