@@ -77,8 +77,22 @@ def qwen3_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def no_sandbox_left_behind():
-    """After the whole suite, no sandbox container of this test process (or of a dead one) remains."""
+    """After the whole suite, no sandbox container or local sandbox directory of this test process (or of a dead
+    one) remains."""
     yield
+    import json as _json
+
+    try:
+        from jaxrl_term.sandbox.local_dirs import base_dir
+
+        leftovers = []
+        for d in base_dir().iterdir():
+            rec = d / "owner.json"
+            if rec.is_file() and _json.loads(rec.read_text()).get("owner", {}).get("jaxrl_term.pid") == str(os.getpid()):
+                leftovers.append(d.name)
+        assert not leftovers, f"local sandbox directories left behind: {leftovers}"
+    except ImportError:
+        pass
     try:
         from jaxrl_term.sandbox.docker import LABEL_HOST, LABEL_PID, LABEL_RUN, _pid_alive, client
 

@@ -183,12 +183,12 @@ def test_file_tools_edit_exact_strings_and_leave_files_unchanged_on_error(backen
             binary = await tb.call("file", {"action": "read", "file_path": "/app/blob.bin"})
             assert not binary.ok and "binary" in binary.text
             meta = await tb.call("file", {"action": "metadata", "file_paths": ["/app/m.py", "/app/none"]})
-            assert "755" in meta.text and "no such file" in meta.text
+            assert "Permissions: 755" in meta.text and "/app/none: Not found" in meta.text
             grep = await tb.call("search", {"action": "grep", "pattern": "x = [0-9]", "path": "/app"})
             assert grep.text.count("m.py:") == 2
             todo = await tb.call("todo", {"operations": [{"action": "add", "content": "a"},
-                                                         {"action": "complete", "task_id": 1}]})
-            assert "[x] 1. a" in todo.text
+                                                         {"action": "complete", "task_id": 1}], "view_all": True})
+            assert "[✓] [1] a" in todo.text
             bad = await tb.call("nosuchtool", {})
             assert not bad.ok and "unknown tool" in bad.text
 
@@ -213,7 +213,7 @@ TEXT = st.lists(st.one_of(FRAGMENTS, st.text(max_size=40)), max_size=30).map("".
 def test_parsers_never_raise_on_adversarial_output(qwen3, text, name):
     scaffold = make_scaffold(name)
     parsed = scaffold.parse(text)
-    assert parsed.actions or parsed.errors
+    assert parsed.actions or parsed.errors or name == "tbrl"  # tbrl: other elements are attempts that do nothing
     for a in parsed.actions:
         assert isinstance(a.tool, str) and isinstance(a.args, dict)
     msgs = scaffold.observation_messages(parsed, [])
@@ -230,7 +230,7 @@ def test_the_loop_never_raises_on_adversarial_output(tiny, local_sandbox, script
             TASK, engine, sb, tiny, make_scaffold(name),
             limits=AgentLimits(max_turns=3, command_timeout_s=2, trajectory_timeout_s=30, max_context_tokens=20000))))
         traj.check()
-        assert traj.end_reason in ("finished", "max_turns", "parse_errors", "context_full", "timeout")
+        assert traj.end_reason in ("finished", "max_turns", "parse_errors", "no_action", "context_full", "timeout")
 
 
 @pytest.fixture(scope="module")
@@ -250,8 +250,9 @@ def test_bash_scaffold_corrects_format_errors_and_detects_the_sentinel():
     assert s.parse("thinking... ```bash\nls -la\n```").actions[0].args == {"cmd": "ls -la"}
     from jaxrl_term.agent.tools import ToolResult
 
-    assert s.finished([ToolResult("bash", True, f"{SENTINEL}\n")])
-    assert not s.finished([ToolResult("bash", True, f"echo {SENTINEL}\n")])
+    done = s.parse(f"```bash\necho {SENTINEL}\n```")
+    assert s.finished(done, [ToolResult("bash", True, f"{SENTINEL}\n", output=f"{SENTINEL}\n")])
+    assert not s.finished(done, [ToolResult("bash", True, f"echo {SENTINEL}\n", output=f"echo {SENTINEL}\n")])
 
 
 def test_the_agent_side_never_imports_jax():

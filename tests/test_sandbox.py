@@ -158,9 +158,8 @@ def test_files_text_binary_and_upload_dir_with_modes(backend, tmp_path):
 # ------------------------------------------------------------------------------------ limits (Docker only)
 
 
-@pytest.mark.docker
-def test_fork_bomb_hits_the_pid_limit_and_the_sandbox_recovers(docker_client):
-    """Docker only: the local backend has no pid limit (RLIMIT_NPROC counts the host user's processes)."""
+def test_fork_bomb_hits_the_pid_limit_and_the_sandbox_recovers(backend):
+    """Both backends: Docker's pids cgroup, the local backend's pids cgroup or per-sandbox uid RLIMIT_NPROC."""
     before = len(os.listdir("/proc"))
 
     async def go(sb):
@@ -171,7 +170,7 @@ def test_fork_bomb_hits_the_pid_limit_and_the_sandbox_recovers(docker_client):
         assert int(out.output.split()[1]) < 20  # the bomb is gone
         assert (await sb.run("cat /proc/self/status | grep -c Pid")).exit_code == 0
 
-    run(_with("docker", go, pids=64))
+    run(_with(backend, go, pids=64))
     assert len(os.listdir("/proc")) < before + 200  # nothing leaked onto the host
 
 

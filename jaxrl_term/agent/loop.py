@@ -2,8 +2,15 @@
 
 The prompt is rendered once by the chat template. Each turn sends the exact ids so far to the engine and
 appends its output ids verbatim (loss mask 1, their log-probs kept); the observation is appended as the chat
-template's delta for the new turn(s) plus the generation prompt (loss mask 0). The policy's own tokens are
-never decoded and re-encoded into the stream. No JAX here.
+template's delta for the new turn(s) plus the generation prompt (loss mask 0), its contents as plain text (a
+``<|im_end|>`` printed by a command is text, not the end of a turn). The policy's own tokens are never decoded
+and re-encoded into the stream. A reply stopped by another stop token than ``<|im_end|>`` (``<|endoftext|>``)
+or cut at the length limit is closed with ``<|im_end|>`` as the template closes every assistant turn.
+
+Every reply becomes actions or scored parse errors; only the infrastructure (engine, sandbox) can make an
+episode invalid. The turn is recorded before its tools run. Each observation gets a token budget: at most
+``max_observation_tokens``, and no more than leaves room for the next reply; longer contents keep their
+beginning and end with a note. No JAX here.
 """
 
 from __future__ import annotations
@@ -14,14 +21,17 @@ import logging
 import time
 import uuid
 
-from jaxrl_term.agent.actions import Parsed, Scaffold
+from jaxrl_term.agent.chat import EOS_TEXT, ChatDelta
+from jaxrl_term.agent.scaffold import Parsed, Scaffold
+from jaxrl_term.agent.text import clean, clean_value
 from jaxrl_term.agent.tools import ToolBox
 from jaxrl_term.agent.trajectory import Trajectory, TurnRecord
 from jaxrl_term.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from jaxrl_term.sandbox.base import Sandbox
 
+__all__ = ["EOS_TEXT", "AgentLimits", "ChatDelta", "fit_observation", "run_episode"]
 log = logging.getLogger(__name__)
-EOS_TEXT = "<|im_end|>"
+TRUNCATION_NOTE = "\n[... {n} tokens of this output were cut to fit the context ...]\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,39 +43,58 @@ class AgentLimits:
     trajectory_timeout_s: float = 1800.0  # wall clock for the whole episode (also capped by the task's own)
     max_parse_error_turns: int = 3
     min_new_tokens: int = 16  # less room than this in the context ends the episode (context_full)
+    max_observation_tokens: int | None = None  # per turn; None: a quarter of max_context_tokens
+
+    def observation_budget(self, room: int) -> int:
+        """Tokens an observation may take when ``room`` tokens of context are left: the cap, and no more than
+        leaves the next reply ``max_tokens_per_turn`` (or half the room, if less; ``min_new_tokens`` at least)."""
+        cap = self.max_observation_tokens or self.max_context_tokens // 4
+        reserve = max(self.min_new_tokens, min(self.max_tokens_per_turn, room // 2))
+        return max(0, min(cap, room - reserve))
 
 
-class ChatDelta:
-    """Token ids of new chat turns appended after an assistant turn, as the chat template renders them."""
+def fit_observation(delta: ChatDelta, messages: list[dict], closed: bool, budget: int
+                    ) -> tuple[list[dict], list[int]] | None:
+    """``messages`` whose delta fits in ``budget`` tokens, and the delta: the longest contents are cut to
+    their first and last tokens (with a note) until it fits, the shorter ones kept whole; None if even empty
+    contents do not fit."""
+    ids = delta.observation_ids(messages, closed)
+    if len(ids) <= budget:
+        return messages, ids
+    lengths = [delta.encode_plain(m["content"]) for m in messages]
+    overhead = len(ids) - sum(map(len, lengths))
+    note = len(delta.encode_plain(TRUNCATION_NOTE.format(n=10**6)))
+    available = budget - overhead - note * len(messages)
+    for _ in range(4):
+        if available < 0:
+            break
+        shares = _water_fill([len(x) for x in lengths], available)
+        cut = []
+        for m, toks, share in zip(messages, lengths, shares):
+            if len(toks) <= share:
+                cut.append(m)
+                continue
+            head, tail = share // 2, share - share // 2
+            text = delta.decode(toks[:head]) + TRUNCATION_NOTE.format(n=len(toks) - share) + \
+                (delta.decode(toks[len(toks) - tail:]) if tail else "")
+            cut.append({**m, "content": clean(text)})
+        ids = delta.observation_ids(cut, closed)
+        if len(ids) <= budget:
+            return cut, ids
+        available -= len(ids) - budget + 8  # decoding and re-encoding at the cuts shifted a few tokens
+    empty = [{**m, "content": "[output omitted: no room left in the context]"} for m in messages]
+    ids = delta.observation_ids(empty, closed)
+    return (empty, ids) if len(ids) <= budget else None
 
-    def __init__(self, tokenizer, tools=None, enable_thinking: bool | None = None):
-        self.tok, self.tools = tokenizer, tools
-        self.kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        probe = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], False)
-        self.after_eos = probe[probe.rindex(EOS_TEXT) + len(EOS_TEXT):]  # "\n" for Qwen3
-        self._base = self._render([{"role": "user", "content": "x"}], False)
-        self.eos_ids = [tokenizer.convert_tokens_to_ids(EOS_TEXT)]
-        eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        if isinstance(eot, int) and eot != tokenizer.unk_token_id:
-            self.eos_ids.append(eot)
 
-    def _render(self, messages, gen: bool) -> str:
-        return self.tok.apply_chat_template(messages, tools=self.tools, tokenize=False, add_generation_prompt=gen,
-                                            **self.kw)
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self._render(messages, True))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    def observation_ids(self, messages: list[dict], closed: bool) -> list[int]:
-        """``messages`` (user or tool turns) + the generation prompt. ``closed``: the assistant's output
-        already ends with <|im_end|>; otherwise the turn is closed here (those tokens are not the policy's)."""
-        full = self._render([{"role": "user", "content": "x"}, *messages], True)
-        if not full.startswith(self._base):
-            raise ValueError("chat template renders history differently when turns are added; cannot append deltas")
-        return self.encode(("" if closed else EOS_TEXT) + self.after_eos + full[len(self._base):])
+def _water_fill(lengths: list[int], total: int) -> list[int]:
+    """Shares of ``total`` for items of ``lengths``: short items whole, the rest split evenly."""
+    shares = [0] * len(lengths)
+    left, order = total, sorted(range(len(lengths)), key=lambda i: lengths[i])
+    for k, i in enumerate(order):
+        shares[i] = min(lengths[i], left // (len(order) - k))
+        left -= shares[i]
+    return shares
 
 
 async def run_episode(
@@ -81,7 +110,7 @@ async def run_episode(
     workdir: str | None = None,
 ) -> Trajectory:
     """Run one episode of ``task`` in ``sandbox``. Never raises for model, tool or engine failures: the
-    trajectory records how it ended (``end_reason``); engine failures make it invalid."""
+    trajectory records how it ended (``end_reason``); engine and sandbox failures make it invalid."""
     limits = limits or AgentLimits()
     sampling = sampling or SamplingParams()
     t_start = time.monotonic()
@@ -89,7 +118,7 @@ async def run_episode(
     delta = ChatDelta(tokenizer, scaffold.tools, enable_thinking)
     stop_ids = tuple(dict.fromkeys((*sampling.stop_token_ids, *delta.eos_ids)))
     tools = ToolBox(sandbox, workdir=workdir or task.environment.workdir, command_timeout_s=limits.command_timeout_s)
-    messages = scaffold.initial_messages(task.instruction)
+    messages = clean_value(scaffold.initial_messages(task.instruction))
     ids = delta.prompt_ids(messages)
     mask, logprobs = [0] * len(ids), [0.0] * len(ids)
     traj = Trajectory(task.id, scaffold.name, ids, mask, logprobs, len(ids), messages, [], "max_turns")
@@ -133,37 +162,47 @@ async def run_episode(
         ids.extend(out)
         mask.extend([1] * len(out))
         logprobs.extend(float(x) for x in gen.output_logprobs)
-        closed = out[-1] in stop_ids
-        text = tokenizer.decode(out[:-1] if closed else out, skip_special_tokens=False)
+        closed = out[-1] == delta.eos_id  # any other stop (or none) is closed by the observation's delta
+        text = tokenizer.decode(out[:-1] if out[-1] in stop_ids else out, skip_special_tokens=False)
         parsed: Parsed = scaffold.parse(text)
-        messages.append(scaffold.assistant_message(text, parsed))
+        messages.append(clean_value(scaffold.assistant_message(text, parsed)))
+        record = TurnRecord(turn, start, len(out), 0, text,
+                            clean_value([{"tool": a.tool, "args": a.args} for a in parsed.actions]),
+                            clean_value(list(parsed.errors)), [], gen.finish_reason, gen_s, 0.0, gen.weight_version)
+        traj.turns.append(record)  # before the tools run: an episode that ends in them still accounts its tokens
+        if parsed.no_action:
+            return end("no_action")
         t1 = time.monotonic()
         results = []
         try:
             for action in parsed.actions:
                 res = await tools.call(action.tool, action.args, time_left_s=deadline - time.monotonic())
                 results.append(res)
+                record.results.append(clean_value({"tool": res.tool, "ok": res.ok, "text": res.text,
+                                                   "exit_code": res.exit_code, "timed_out": res.timed_out,
+                                                   "duration_s": res.duration_s}))
                 if res.finished:
                     break
         except Exception as e:  # noqa: BLE001 - the sandbox itself broke (not the model's doing): invalid
+            record.tool_s = time.monotonic() - t1
             return end("sandbox_error", f"{type(e).__name__}: {e}")
-        record = TurnRecord(turn, start, len(out), 0, text, [{"tool": a.tool, "args": a.args} for a in parsed.actions],
-                            list(parsed.errors),
-                            [{"tool": r.tool, "ok": r.ok, "text": r.text, "exit_code": r.exit_code,
-                              "timed_out": r.timed_out, "duration_s": r.duration_s} for r in results],
-                            gen.finish_reason, gen_s, time.monotonic() - t1, gen.weight_version)
-        traj.turns.append(record)
-        if scaffold.finished(results):
+        record.tool_s = time.monotonic() - t1
+        if scaffold.finished(parsed, results):
             return end("finished")
-        parse_streak = parse_streak + 1 if parsed.is_error_turn else 0
+        # consecutive replies with parse errors and nothing run (a reply that ran something resets the count)
+        parse_streak = 0 if parsed.actions else parse_streak + parsed.is_error_turn
         if parse_streak >= limits.max_parse_error_turns:
             return end("parse_errors", f"{parse_streak} replies in a row without a valid action")
+        if turn + 1 >= limits.max_turns:
+            return end("max_turns")  # nothing would read an observation
         if time.monotonic() >= deadline:
             return end("timeout")
-        obs = scaffold.observation_messages(parsed, results)
-        obs_ids = delta.observation_ids(obs, closed)
-        if len(ids) + len(obs_ids) + limits.min_new_tokens > limits.max_context_tokens:
-            return end("context_full")
+        obs = [{**m, "content": clean(m["content"])} for m in scaffold.observation_messages(parsed, results)]
+        fitted = fit_observation(delta, obs, closed,
+                                 limits.observation_budget(limits.max_context_tokens - len(ids)))
+        if fitted is None:
+            return end("context_full", "no room left for the observation")
+        obs, obs_ids = fitted
         ids.extend(obs_ids)
         mask.extend([0] * len(obs_ids))
         logprobs.extend([0.0] * len(obs_ids))

@@ -10,7 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-END_REASONS = ("finished", "max_turns", "context_full", "timeout", "parse_errors", "engine_error", "sandbox_error")
+# no_action: the reply attempted no action and the scaffold ends the episode on it (Terminal-Bench-RL's rule)
+END_REASONS = ("finished", "no_action", "max_turns", "context_full", "timeout", "parse_errors", "engine_error",
+               "sandbox_error")
 INVALID_ENDS = ("engine_error", "sandbox_error")  # retry or drop; never a 0 reward
 
 
@@ -96,34 +98,72 @@ def read_jsonl(path: str | os.PathLike) -> list[Trajectory]:
 
 @dataclasses.dataclass(frozen=True)
 class DriftReport:
-    equal: bool
-    first_diff: int | None  # first token index where the stream and a fresh rendering differ
+    equal: bool  # no difference left once the explained ones (``notes``) are accounted for
+    first_diff: int | None  # first token index where the stream and a fresh rendering differ (unexplained)
     stream_len: int
     render_len: int
     stream_context: str = ""
     render_context: str = ""
+    notes: tuple[str, ...] = ()  # differences that are expected, and why
+
+
+EOT_NOTE = ("turn {k} was stopped by <|endoftext|>: the stream keeps that sampled token before the <|im_end|> "
+            "the loop added; a rendering has only the <|im_end|>")
+FINAL_THINK_NOTE = ("the final assistant turn has no reasoning: the template renders an empty think block there "
+                    "(Qwen3 does for the turn after the last user query), the model wrote none")
 
 
 def check_drift(traj: Trajectory, tokenizer, *, tools=None, enable_thinking: bool | None = None) -> DriftReport:
     """Re-render ``traj.messages`` with the chat template and compare with the token stream.
 
-    Differences are expected where the template rewrites history (Qwen3 drops the reasoning of assistant
-    turns before the last user query) and wherever re-tokenising text differs from what was sampled; the
-    report says where the first one is.
+    The rendering is encoded as the loop encodes observations (special-token text in contents stays plain).
+    Two differences are expected and explained in ``notes`` rather than reported: a turn stopped by
+    ``<|endoftext|>`` (the stream keeps the sampled token), and the empty think block the template adds to a
+    final assistant turn without reasoning. Others are reported: Qwen3 drops the reasoning of assistant turns
+    before the last user query, and re-tokenising text can differ from what was sampled; the report says where
+    the first one is.
     """
-    kw = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    from jaxrl_term.agent.chat import ChatDelta
+
+    delta = ChatDelta(tokenizer, tools, enable_thinking)
     gen_prompt = traj.messages[-1]["role"] != "assistant"
-    text = tokenizer.apply_chat_template(traj.messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=gen_prompt, **kw)
-    rendered = tokenizer(text, add_special_tokens=False)["input_ids"]
-    stream = list(traj.token_ids)
-    if not gen_prompt and rendered[len(stream):] and tokenizer.decode(rendered[len(stream):]).strip() == "":
-        rendered = rendered[: len(stream)]  # the template's newline after the final <|im_end|>
-    first = next((i for i, (a, b) in enumerate(zip(stream, rendered)) if a != b), None)
-    if first is None and len(stream) != len(rendered):
-        first = min(len(stream), len(rendered))
+    rendered = delta.render_ids(traj.messages, gen_prompt)
+    closed_eot = _eot_positions(traj, delta)
+    notes = [EOT_NOTE.format(k=k) for k, t in enumerate(traj.turns) if t.start + t.n_output - 1 in closed_eot]
+    stream = [x for i, x in enumerate(traj.token_ids) if i not in closed_eot]
+
+    def trim(r: list[int]) -> list[int]:  # the template's newline after the final <|im_end|>
+        extra = r[len(stream):]
+        return r[: len(stream)] if not gen_prompt and extra and delta.decode(extra).strip() == "" else r
+
+    rendered = trim(rendered)
+    first = _first_diff(stream, rendered)
+    if first is not None and not gen_prompt and traj.turns:
+        last_start = traj.turns[-1].start - sum(1 for i in closed_eot if i < traj.turns[-1].start)
+        empty = delta.encode("<think>\n\n</think>\n\n")
+        if first == last_start and rendered[first: first + len(empty)] == empty:
+            rendered = trim(rendered[:first] + rendered[first + len(empty):])
+            notes.append(FINAL_THINK_NOTE)
+            first = _first_diff(stream, rendered)
     if first is None:
-        return DriftReport(True, None, len(stream), len(rendered))
+        return DriftReport(True, None, len(stream), len(rendered), notes=tuple(notes))
     lo = max(0, first - 8)
-    return DriftReport(False, first, len(stream), len(rendered), tokenizer.decode(stream[lo: first + 24]),
-                       tokenizer.decode(rendered[lo: first + 24]))
+    return DriftReport(False, first, len(stream), len(rendered), delta.decode(stream[lo: first + 24]),
+                       delta.decode(rendered[lo: first + 24]), tuple(notes))
+
+
+def _eot_positions(traj: Trajectory, delta) -> set[int]:
+    """Positions of the <|endoftext|> tokens that ended turns the loop then closed with <|im_end|>."""
+    s = traj.token_ids
+    if delta.eot_id is None:
+        return set()
+    return {t.start + t.n_output - 1 for t in traj.turns
+            if t.n_output and t.start + t.n_output < len(s) and s[t.start + t.n_output - 1] == delta.eot_id
+            and s[t.start + t.n_output] == delta.eos_id}
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))
+    return first

@@ -1,38 +1,55 @@
-"""Run a task's own tests in the sandbox after the agent is done, honestly.
+"""Run a task's own tests in the sandbox after the agent is done, so that an agent that did no work cannot score.
 
-Tamper-proofing: ``/tests`` and ``/logs/verifier`` are wiped and the tests are copied in from the ``Task``
-(never from anything the agent could have changed); every verifier command is a fresh process as root with
-a clean environment (``Sandbox.exec``), not the agent's shell; pytest runs with the working dir removed
-from ``sys.path`` (a planted ``pytest.py`` is not imported), plugin autoload off, its own ini file,
-``--rootdir``/``--confcutdir`` at ``/tests`` (a ``conftest.py`` or ``pytest.ini`` the agent planted in the
-work dir or above is not read), and reports through JUnit XML in a directory with a random name. Harbor
-tasks read ``/logs/verifier/reward.txt|json`` written by their ``test.sh`` after the wipe. Processes the
-agent left running are not killed (tests may check services it started).
+The agent is root in its sandbox and an optimiser: anything the verifier runs from the agent's filesystem, any file
+it reads back, any process the agent left running is a way to forge a result. The order:
 
-Outcomes: ``scored`` (score in [0, 1]), ``test_timeout`` (the tests exceeded their timeout: score 0, the
-reason kept), ``verifier_error`` (the tests could not run or report at all: score None, the trajectory must
-be retried or dropped, never scored 0).
+1. ``kill_all()``: every process the agent started dies (Docker: the container restarts, files kept; local: the
+   sandbox's processes are killed); the task's declared ``services`` are started again from its definition.
+2. Tamper check (``reward/tamper.py``): ``changes()`` since the sandbox was created, against what the runner below
+   will execute; any finding is the outcome ``tampered`` (score 0) and nothing runs.
+3. ``/tests`` and ``/logs/verifier`` wiped, the task's tests copied in from the ``Task``.
+4. The tests, in a fresh process as root with a clean environment (``Sandbox.exec``):
+
+   - ``pytest`` (built-in, TB-RL): on the verifier's own Python (``sandbox/toolchain.py``: a read-only copy of
+     the image's interpreter, stdlib, libraries and pytest, or the host's read-only ``/usr`` python on the local
+     backend) through ``sandbox/pristine/runner.py``: pytest rooted at ``/tests`` (its own ini,
+     ``--rootdir``/``--confcutdir=/tests``, plugin autoload off, the work dir off ``sys.path``); results come
+     back on the exec's own stdout, tagged with a nonce sent on its stdin.
+   - ``run-tests.sh`` (TB1) and ``harbor`` (``test.sh`` + ``/logs/verifier/reward.txt|json``): the format's own
+     script, in the agent's environment (it may install things), so step 2 checks every interpreter, library,
+     configuration and command that script runs; JUnit XML (TB1) via ``PYTEST_ADDOPTS`` in a random directory.
+
+5. A verifier error (the tests could not run or report) is re-checked on a fresh sandbox of the same task: if the
+   verifier works there, the agent broke it: ``verifier_sabotaged`` (score 0); only if it fails there too is it a
+   ``verifier_error``.
+
+Outcomes: ``scored`` (score in [0, 1]); ``test_timeout`` (0, reason kept); ``tampered`` (0, the findings kept);
+``verifier_sabotaged`` (0); ``verifier_error`` (score None: the trajectory is retried or dropped, never scored).
+What stays out of reach by construction (tests that import or run the agent's code) is listed in the README.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import dataclasses
+import functools
 import json
+import secrets
 import shlex
 import time
-import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping
 
-from jaxrl_term.sandbox.base import Sandbox
+from jaxrl_term.reward import tamper
+from jaxrl_term.sandbox import toolchain
+from jaxrl_term.sandbox.base import Sandbox, SandboxError
 from jaxrl_term.tasks.task import Task
 
 SCORING = ("weighted", "binary")
-
-# pytest through the image's python3, with '' / the work dir dropped from sys.path first.
-PYTEST = ("python3", "-c",
-          "import os, sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', os.getcwd())]; "
-          "import pytest; sys.exit(pytest.main(sys.argv[1:]))")
+OUTCOMES = ("scored", "test_timeout", "tampered", "verifier_sabotaged", "verifier_error")
+ZERO_OUTCOMES = ("tampered", "verifier_sabotaged")  # scored 0 whatever else would reward the trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,24 +60,29 @@ class VerifierResult:
     output: str
     duration_s: float
     error: str | None = None
-    outcome: str = "scored"  # scored | test_timeout | verifier_error
+    outcome: str = "scored"  # one of OUTCOMES
     rewards: dict[str, float] = dataclasses.field(default_factory=dict)  # Harbor reward.json / reward.txt
+    tamper: tuple[str, ...] = ()  # the tamper check's findings (outcome tampered)
+    toolchain: str = ""  # "pristine", or which python ran the tests and why
 
     @property
     def ok(self) -> bool:
         return self.outcome != "verifier_error"
 
 
+def passed_from_cases(cases) -> dict[str, bool]:
+    """Test name -> passed from (classname, name, passed) triples; a repeated name gets its class prefix."""
+    out: dict[str, bool] = {}
+    for cls, name, ok in cases:
+        out[name if name not in out else f"{cls}::{name}"] = bool(ok)
+    return out
+
+
 def parse_junit(xml_text: str | bytes) -> dict[str, bool]:
     """Test name -> passed, from pytest's JUnit XML (a failure or error child = failed)."""
     root = ET.fromstring(xml_text)
-    out: dict[str, bool] = {}
-    for case in root.iter("testcase"):
-        name = case.get("name", "")
-        cls = case.get("classname", "")
-        key = name if name not in out else f"{cls}::{name}"
-        out[key] = case.find("failure") is None and case.find("error") is None
-    return out
+    return passed_from_cases((c.get("classname", ""), c.get("name", ""),
+                              c.find("failure") is None and c.find("error") is None) for c in root.iter("testcase"))
 
 
 def weights_for(names, weights: Mapping[str, float]) -> dict[str, float]:
@@ -84,75 +106,201 @@ def score_of(passed: Mapping[str, bool], weights: Mapping[str, float], scoring: 
     return sum(weights[n] for n, ok in passed.items() if ok) / ran if ran > 0 else 0.0
 
 
+# Empty /tests and /logs/verifier (mount points on the local backend); a symlink or file the agent put in their place
+# is removed first, so nothing is written through it; then the directories the tests need. Run by the verifier's
+# python where it has one (no shell or coreutils from the agent's filesystem), else by bash.
+WIPE_PY = r"""
+import json, os, shutil, sys
+cfg = json.loads(sys.argv[1])
+for d in ("/logs", "/tests", "/logs/verifier"):
+    if os.path.islink(d) or (os.path.exists(d) and not os.path.isdir(d)):
+        os.unlink(d)
+    os.makedirs(d, exist_ok=True)
+for d in ("/tests", "/logs/verifier"):
+    for n in os.listdir(d):
+        p = os.path.join(d, n)
+        shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.unlink(p)
+for d in cfg["dirs"]:
+    os.makedirs(d, exist_ok=True)
+"""
+
+
+def _wipe_sh(dirs: list[str]) -> str:
+    return ("set -e; for d in /logs /tests /logs/verifier; do "
+            'if [ -L "$d" ] || { [ -e "$d" ] && [ ! -d "$d" ]; }; then rm -rf "$d"; fi; mkdir -p "$d"; done; '
+            "find /tests /logs/verifier -mindepth 1 -delete; mkdir -p " + " ".join(shlex.quote(d) for d in dirs))
+
+
 async def _write_tests(task: Task, sandbox: Sandbox) -> None:
     for rel, blob in task.tests.files.items():
         await sandbox.write_file(f"/tests/{rel}", blob.data, blob.mode)
 
 
+def _tagged(output: str, nonce: str) -> tuple[str | None, str, str]:
+    """(kind, payload, the output without the tagged line) of the runner's ``<nonce> KIND payload`` line."""
+    kind, payload, rest = None, "", []
+    for line in output.split("\n"):
+        if kind is None and line.startswith(nonce + " "):
+            kind, _, payload = line[len(nonce) + 1:].partition(" ")
+            continue
+        rest.append(line)
+    return kind, payload, "\n".join(rest).strip("\n")
+
+
 async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", timeout_s: float | None = None,
-                 workdir: str | None = None) -> VerifierResult:
-    """Copy the task's tests in, run them, score. ``scoring``: ``weighted`` (TB-RL: Σ weights of passed ÷
-    Σ weights of tests that ran) or ``binary`` (Tmax: 1 only if every test passed)."""
+                 workdir: str | None = None, fresh: Callable | None | bool = None) -> VerifierResult:
+    """Kill the agent's processes, check for tampering, copy the task's tests in, run them, score.
+
+    ``scoring``: ``weighted`` (TB-RL: Σ weights of passed ÷ Σ weights of tests that ran) or ``binary`` (Tmax: 1
+    only if every test passed). ``fresh``: for the sabotage check, a zero-argument callable whose result gives a
+    fresh sandbox of the task with ``async with``; None: ``open_task_sandbox(task)`` on the same backend; False:
+    no check (a verifier error stays one)."""
     if scoring not in SCORING:
         raise ValueError(f"reward.scoring={scoring!r}; use one of {SCORING}")
+    res = await _verify(task, sandbox, scoring, timeout_s, workdir)
+    if res.outcome != "verifier_error" or fresh is False:
+        return res
+    if fresh is None or fresh is True:
+        from jaxrl_term.tasks.env import open_task_sandbox
+
+        backend = "docker" if getattr(sandbox, "container", None) is not None else "local"
+        fresh = functools.partial(open_task_sandbox, task, backend=backend)
+    try:
+        async with fresh() as sb:
+            again = await _verify(task, sb, scoring, timeout_s, workdir)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the check itself could not run: the error stays an error
+        return dataclasses.replace(res, error=f"{res.error} (a fresh sandbox of the task for the sabotage check "
+                                              f"failed: {type(e).__name__}: {e})")
+    if again.ok:
+        return dataclasses.replace(res, score=0.0, outcome="verifier_sabotaged",
+                                   duration_s=res.duration_s + again.duration_s,
+                                   error=f"the verifier failed on the agent's sandbox ({res.error}) but works on a "
+                                         f"fresh sandbox of the task ({again.outcome})")
+    return dataclasses.replace(res, error=f"{res.error} (on a fresh sandbox of the task too: a task or "
+                                          "infrastructure error)")
+
+
+async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float | None,
+                  workdir: str | None) -> VerifierResult:
     t0 = time.monotonic()
     timeout_s = task.test_timeout_s if timeout_s is None else timeout_s
     workdir = workdir or task.environment.workdir
-    nonce = uuid.uuid4().hex
-    results = f"/logs/verifier/.{nonce}"
-
-    def fail(msg: str, output: str = "") -> VerifierResult:
-        return VerifierResult(None, {}, {}, output, time.monotonic() - t0, msg, "verifier_error")
-
-    # Empty /tests and /logs/verifier (mount points on the local backend); a symlink or file the agent put
-    # in their place is removed first, so nothing is written through it.
-    wipe = ("set -e; for d in /logs /tests /logs/verifier; do "
-            'if [ -L "$d" ] || { [ -e "$d" ] && [ ! -d "$d" ]; }; then rm -rf "$d"; fi; mkdir -p "$d"; done; '
-            f"find /tests /logs/verifier -mindepth 1 -delete; mkdir -p {results} {shlex.quote(workdir)}")
-    prep = await sandbox.exec(["bash", "-c", wipe], 60)
-    if prep.exit_code != 0:
-        return fail(f"could not prepare /tests and /logs/verifier: {prep.output.strip()}", prep.output)
-    await _write_tests(task, sandbox)
-    env = {"TEST_DIR": "/tests", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "HOME": "/root", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    junit = f"{results}/junit.xml"
+    nonce = secrets.token_hex(16)
+    tc = await toolchain.for_sandbox(sandbox)
     runner = task.tests.runner
-    if runner == "pytest":
-        ini = "/tests/pytest.ini" if "pytest.ini" in task.tests.files else f"{results}/pytest.ini"
-        if ini != "/tests/pytest.ini":
-            await sandbox.write_file(ini, b"[pytest]\n")
-        argv = [*PYTEST, f"/tests/{task.tests.entry}", "-rA", "-p", "no:cacheprovider", "-c", ini,
-                "--rootdir=/tests", "--confcutdir=/tests", f"--junitxml={junit}"]
-    elif runner == "run-tests.sh":
-        env["PYTEST_ADDOPTS"] = f"--junitxml={junit} -p no:cacheprovider"
-        argv = ["bash", f"/tests/{task.tests.entry}"]
-    else:
-        argv = ["bash", f"/tests/{task.tests.entry}"]
-    res = await sandbox.exec(argv, timeout_s, env=env, workdir=workdir)
-    if res.timed_out:
-        return VerifierResult(0.0, {}, {}, res.output, time.monotonic() - t0,
-                              f"the tests exceeded their timeout of {timeout_s:.0f}s", "test_timeout")
-    if runner == "harbor":
-        return await _harbor_result(task, sandbox, res, scoring, t0)
+    level = "script" if runner != "pytest" else ("pristine" if tc.pristine else "image")
+
+    def result(score, outcome="scored", error=None, output="", **kw) -> VerifierResult:
+        return VerifierResult(score, kw.pop("passed", {}), kw.pop("weights", {}), output, time.monotonic() - t0,
+                              error, outcome, toolchain=tc.label, **kw)
+
+    env = {"TEST_DIR": "/tests", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "HOME": "/root", "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1", "PATH": tc.exec_path()}
     try:
-        xml = await sandbox.read_file(junit)
-        passed = parse_junit(xml)
-    except Exception as e:  # noqa: BLE001 - no report at all is a verifier error, whatever the cause
-        return fail(f"no JUnit report from the tests (exit {res.exit_code}): {e}", res.output)
+        await sandbox.kill_all()
+        for i, cmd in enumerate(task.services):
+            r = await sandbox.exec(["bash", "-c", f"( {cmd} ) </dev/null >/tmp/.jaxrl-service-{i}.log 2>&1"], 120,
+                                   env=env, workdir=workdir)
+            if r.exit_code != 0:
+                return result(None, "verifier_error", f"service {i} ({cmd!r}) did not start: exit {r.exit_code}")
+        found = await _tamper_findings(task, sandbox, tc, level, workdir)
+        if found:
+            more = f" (+{len(found) - 8} more)" if len(found) > 8 else ""
+            return result(0.0, "tampered", "the agent changed what the verifier runs: " + "; ".join(found[:8]) + more,
+                          tamper=tuple(found))
+        results = f"/logs/verifier/.{nonce}"
+        dirs = sorted({results, workdir, *(f"/tests/{rel}".rsplit("/", 1)[0] for rel in task.tests.files)})
+        if tc.pristine:
+            prep = await sandbox.exec([*tc.python(nonce), "-c", WIPE_PY, json.dumps({"dirs": dirs})], 60,
+                                      env={**env, **toolchain.START_ENV})
+        else:
+            prep = await sandbox.exec(["bash", "-c", _wipe_sh(dirs)], 60, env=env)
+        if prep.exit_code != 0:
+            return result(None, "verifier_error", f"could not prepare /tests and /logs/verifier: {prep.output.strip()}",
+                          prep.output)
+        await _write_tests(task, sandbox)
+        if runner == "pytest":
+            return await _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result)
+        return await _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result)
+    except SandboxError as e:  # the sandbox broke under the verifier: checked on a fresh sandbox like any error
+        return result(None, "verifier_error", f"the sandbox failed during verification: {e}")
+
+
+async def _tamper_findings(task: Task, sandbox: Sandbox, tc, level: str, workdir: str) -> list[str]:
+    changes = await sandbox.changes()
+    commands = tamper.script_commands(b.data.decode(errors="replace") for rel, b in task.tests.files.items()
+                                      if rel.endswith(".sh")) if level == "script" else ()
+    found = tamper.findings(changes, tc.facts, level=level, workdir=workdir, commands=commands, tbin=tc.tbin)
+    if any(p == "/etc/ld.so.cache" and k != "D" for k, p in changes):
+        found += tamper.ldcache_redirects(await sandbox.read_file("/etc/ld.so.cache"), tc.facts)
+    if level == "script":
+        texts = {}
+        for p in tamper.pth_paths(changes, tc.facts):
+            try:
+                texts[p] = await sandbox.read_file(p)
+            except SandboxError:
+                texts[p] = b"import"  # unreadable (a directory, a dangling link): counted as code
+        found += tamper.pth_findings(texts)
+    return found
+
+
+async def _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result):
+    if "pytest.ini" in task.tests.files:
+        ini = "/tests/pytest.ini"
+    else:
+        ini = f"{results}/pytest.ini"
+        await sandbox.write_file(ini, b"[pytest]\n")
+    args = [f"/tests/{task.tests.entry}", "-rA", "-p", "no:cacheprovider", "-c", ini, "--rootdir=/tests",
+            "--confcutdir=/tests"]
+    if tc.pristine:  # no locale file from the agent's filesystem at start-up; the tests get LANG back, not LC_ALL
+        env = {**env, **toolchain.START_ENV}
+    runner = tc.runner(args, nonce, environ={k: None for k in toolchain.START_ENV} if tc.pristine else None)
+    res = await sandbox.exec(runner, timeout_s, env=env, workdir=workdir,
+                             stdin=f"{nonce}\n".encode())
+    kind, payload, output = _tagged(res.output, nonce)
+    if res.timed_out:
+        return result(0.0, "test_timeout", f"the tests exceeded their timeout of {timeout_s:.0f}s", output)
+    if kind == "ERROR":
+        return result(None, "verifier_error", f"the test runner failed: {json.loads(payload)}", output)
+    if kind != "RESULT":
+        return result(None, "verifier_error", f"no results from the test runner (exit {res.exit_code})", output)
+    data = json.loads(zlib.decompress(base64.b64decode(payload)))
+    passed = passed_from_cases(data["cases"])
     if not passed:
-        return fail(f"the tests reported no test cases (exit {res.exit_code})", res.output)
+        return result(None, "verifier_error", f"the tests reported no test cases (exit {data['rc']})", output)
     weights = weights_for(list(passed), task.tests.weights)
-    return VerifierResult(score_of(passed, weights, scoring), passed, weights, res.output, time.monotonic() - t0)
+    return result(score_of(passed, weights, scoring), output=output, passed=passed, weights=weights)
 
 
-async def _harbor_result(task: Task, sandbox: Sandbox, res, scoring: str, t0: float) -> VerifierResult:
+async def _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result):
+    junit = f"{results}/junit.xml"
+    env = {**env, "PYTHONPYCACHEPREFIX": f"/tmp/.jrt-pyc-{nonce[:16]}"}  # no bytecode from the agent's filesystem
+    if task.tests.runner == "run-tests.sh":
+        env["PYTEST_ADDOPTS"] = f"--junitxml={junit} -p no:cacheprovider"
+    res = await sandbox.exec(["bash", f"/tests/{task.tests.entry}"], timeout_s, env=env, workdir=workdir)
+    if res.timed_out:
+        return result(0.0, "test_timeout", f"the tests exceeded their timeout of {timeout_s:.0f}s", res.output)
+    if task.tests.runner == "harbor":
+        return await _harbor_result(sandbox, res, scoring, result)
+    try:
+        passed = parse_junit(await sandbox.read_file(junit))
+    except Exception as e:  # noqa: BLE001 - no report at all is a verifier error, whatever the cause
+        return result(None, "verifier_error", f"no JUnit report from the tests (exit {res.exit_code}): {e}", res.output)
+    if not passed:
+        return result(None, "verifier_error", f"the tests reported no test cases (exit {res.exit_code})", res.output)
+    weights = weights_for(list(passed), task.tests.weights)
+    return result(score_of(passed, weights, scoring), output=res.output, passed=passed, weights=weights)
+
+
+async def _harbor_result(sandbox: Sandbox, res, scoring: str, result) -> VerifierResult:
     rewards: dict[str, float] = {}
     try:
         txt = await sandbox.read_file("/logs/verifier/reward.txt")
         rewards = {"reward": float(txt.decode().strip())}
     except ValueError as e:
-        return VerifierResult(None, {}, {}, res.output, time.monotonic() - t0,
-                              f"/logs/verifier/reward.txt is not a number: {e}", "verifier_error")
+        return result(None, "verifier_error", f"/logs/verifier/reward.txt is not a number: {e}", res.output)
     except Exception:  # noqa: BLE001 - absent: try reward.json
         try:
             raw = json.loads(await sandbox.read_file("/logs/verifier/reward.json"))
@@ -160,9 +308,8 @@ async def _harbor_result(task: Task, sandbox: Sandbox, res, scoring: str, t0: fl
                 raise ValueError("expected a JSON object of name -> number")
             rewards = {str(k): float(v) for k, v in raw.items()}
         except Exception as e:  # noqa: BLE001
-            return VerifierResult(None, {}, {}, res.output, time.monotonic() - t0,
-                                  f"test.sh wrote neither /logs/verifier/reward.txt nor a valid reward.json "
-                                  f"(exit {res.exit_code}): {e}", "verifier_error")
+            return result(None, "verifier_error", f"test.sh wrote neither /logs/verifier/reward.txt nor a valid "
+                                                  f"reward.json (exit {res.exit_code}): {e}", res.output)
     # The score: the "reward" entry; a single entry is that; otherwise the mean of all entries.
     if "reward" in rewards:
         value = rewards["reward"]
@@ -172,4 +319,4 @@ async def _harbor_result(task: Task, sandbox: Sandbox, res, scoring: str, t0: fl
         value = sum(rewards.values()) / len(rewards)
     value = min(max(value, 0.0), 1.0)
     score = (1.0 if value >= 1.0 else 0.0) if scoring == "binary" else value
-    return VerifierResult(score, {}, {}, res.output, time.monotonic() - t0, rewards=rewards)
+    return result(score, output=res.output, rewards=rewards)

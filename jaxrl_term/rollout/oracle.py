@@ -11,7 +11,7 @@ import json
 import textwrap
 from collections.abc import Sequence
 
-from jaxrl_term.agent.actions import SENTINEL
+from jaxrl_term.agent.actions import SENTINEL, SUBMIT_MARKER
 from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams
 
 
@@ -54,6 +54,12 @@ def oracle_replies(task, scaffold: str) -> list[str]:
     if scaffold == "tbrl":
         return [f"<bash>\ncmd: |\n{textwrap.indent(body, '  ')}</bash>",
                 "<finish>\nmessage: The task is done.\n</finish>"]
+    if scaffold == "tmax":
+        run = json.dumps({"name": "bash", "arguments": {"command": body}})
+        submit = json.dumps({"name": "bash", "arguments": {"command": f"echo {SUBMIT_MARKER}"}})
+        return [f"THOUGHT: I will carry out the steps the task asks for, then check the result.\n\n"
+                f"<tool_call>\n{run}\n</tool_call>",
+                f"THOUGHT: The commands succeeded, so the task is done and I submit.\n\n<tool_call>\n{submit}\n</tool_call>"]
     if scaffold == "qwen_tools":
         call = json.dumps({"name": "bash", "arguments": {"cmd": body}})
         done = json.dumps({"name": "finish", "arguments": {"message": "The task is done."}})

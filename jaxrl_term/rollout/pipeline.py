@@ -4,7 +4,9 @@ Groups are numbered in the order their tasks are drawn (a seeded permutation per
 integer cursor), run as G concurrent episodes each (bounded by ``max_concurrent_episodes``), verified,
 scored, and handed to the trainer *in sequence order* (so a run is reproducible). Invalid episodes (engine
 or sandbox failures) and verifier errors are retried, then the group is dropped; zero-variance groups are
-dropped and more tasks drawn ("active sampling"); every drop is counted.
+dropped and more tasks drawn ("active sampling"); every drop is counted. Attempts the verifier finds
+``tampered`` or ``verifier_sabotaged`` score 0 and are never retried (``pipeline/tampered``,
+``pipeline/verifier_sabotaged``): breaking the verifier must not be a way out of a bad outcome.
 
 Staleness: the trainer asks for the batch of step ``t``; a group may serve it only if its policy version
 (the oldest weights any of its turns used) is ``>= t - max_off_policy_steps``. New groups start only when
@@ -27,7 +29,7 @@ from typing import Any
 
 from jaxrl_term.agent.loop import AgentLimits, run_episode
 from jaxrl_term.agent.trajectory import Trajectory
-from jaxrl_term.reward.verifier import verify
+from jaxrl_term.reward.verifier import ZERO_OUTCOMES, verify
 from jaxrl_term.rollout.engine import RolloutEngine, SamplingParams
 from jaxrl_term.tasks.env import open_task_sandbox
 from jaxrl_term.tasks.task import Task
@@ -70,6 +72,19 @@ class Group:
     @property
     def zero_variance(self) -> bool:
         return len(set(self.rewards)) <= 1
+
+
+def group_version(trajectories: Sequence[Trajectory]) -> int | None:
+    """The oldest weight version any turn of the group used (each turn is tagged with the older of the version
+    at submission and the one the engine reported); None if some turn is untagged (its staleness is unknown).
+    A group with no model turn at all (every episode ended before its first generation) has version None too."""
+    versions = []
+    for t in trajectories:
+        for turn in t.turns:
+            if turn.weight_version is None:
+                return None
+            versions.append(turn.weight_version)
+    return min(versions) if versions else None
 
 
 async def default_reward(task: Task, traj: Trajectory, result) -> tuple[float | None, dict]:
@@ -194,8 +209,14 @@ class RolloutPipeline:
                 group = Group(seq, task, [], [], -1, t0, time.monotonic(), "an episode failed after its retries")
             else:
                 trajs = [o[0] for o in outcomes]
-                versions = [v for t in trajs for v in t.weight_versions] or [self.policy_version]
-                group = Group(seq, task, trajs, [o[1] for o in outcomes], min(versions), t0, time.monotonic())
+                version = group_version(trajs)
+                if version is None:
+                    self.counters["groups_untagged"] += 1
+                    log.error("group %d (%s): a turn has no weight version; the engine must tag every generation "
+                              "(the group is dropped: its staleness is unknown)", seq, task.id)
+                    group = Group(seq, task, [], [], -1, t0, time.monotonic(), "untagged weight version")
+                else:
+                    group = Group(seq, task, trajs, [o[1] for o in outcomes], version, t0, time.monotonic())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken group is dropped and counted, the run goes on
@@ -235,7 +256,9 @@ class RolloutPipeline:
                 if not traj.valid:
                     self.counters[f"retry_{traj.end_reason}"] += 1
                     return None
-                result = await verify(task, sb, scoring=self.scoring)
+                # a verifier error is re-checked on a fresh sandbox of the task (outside the pool: this one is held)
+                result = await verify(task, sb, scoring=self.scoring, fresh=lambda: open_task_sandbox(
+                    task, backend=self.backend, builder=self.builder, **self.sandbox_limits))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped
@@ -245,7 +268,13 @@ class RolloutPipeline:
         if not result.ok:
             self.counters["retry_verifier_error"] += 1
             return None
-        reward, parts = await self.reward_fn(task, traj, result)
+        if result.toolchain and result.toolchain != "pristine":
+            self.counters["verifier_toolchain_fallback"] += 1
+        if result.outcome in ZERO_OUTCOMES:  # tampered / verifier_sabotaged: 0, never retried, whatever else rewards
+            self.counters[result.outcome] += 1
+            reward, parts = 0.0, {"tests": 0.0}
+        else:
+            reward, parts = await self.reward_fn(task, traj, result)
         if reward is None:
             self.counters["retry_reward_missing"] += 1
             return None

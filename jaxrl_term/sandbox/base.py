@@ -41,6 +41,7 @@ class SandboxLimits:
     workdir: str = "/app"
     max_output_bytes: int = 32768  # per command, head + tail
     env: tuple[tuple[str, str], ...] = ()
+    disk_gb: float | None = None  # writable layer quota (Docker storage drivers that support it)
 
 
 CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -50,9 +51,17 @@ CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class Sandbox(Protocol):
     async def run(self, command: str, timeout_s: float = 30.0) -> CommandResult: ...
     async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
-                   workdir: str | None = None) -> CommandResult:
+                   workdir: str | None = None, stdin: bytes | None = None) -> CommandResult:
         """A fresh process as root, outside the agent's shell (none of its functions, aliases or variables):
-        what the verifier and set-up steps use."""
+        what the verifier and set-up steps use. ``stdin``: bytes fed to the process (then EOF)."""
+        ...
+    async def kill_all(self) -> None:
+        """Kill every process the agent could have started (everything but the sandbox's own keep-alive); the
+        persistent shell starts again on the next ``run``. Files are kept."""
+        ...
+    async def changes(self) -> list[tuple[str, str]]:
+        """Filesystem changes since the sandbox was created: (kind, path), kind in A (added), C (changed),
+        D (deleted). Paths the backend mounts read-only cannot change and are not listed."""
         ...
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None: ...
     async def read_file(self, path: str) -> bytes: ...
@@ -63,18 +72,35 @@ class Sandbox(Protocol):
 BACKENDS = ("docker", "local")
 
 
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C (KeyboardInterrupt in the main thread), so ``finally`` blocks and context
+    managers run and sandboxes are removed; the default action would kill the process on the spot. Call it from
+    entry points (train, eval, tasks check)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 @contextlib.asynccontextmanager
 async def open_sandbox(
     backend: str = "docker",
     image: str | None = None,
     *,
     labels: dict[str, str] | None = None,
+    mounts: dict[str, str] | None = None,
     **limits,
 ) -> AsyncIterator[Sandbox]:
     """``async with open_sandbox("docker", "jaxrl-term/base:trixie", memory_mb=1024) as sb: ...``
 
-    ``limits`` are ``SandboxLimits`` fields. The sandbox is closed (container removed) on exit, also on
-    error or cancellation.
+    ``limits`` are ``SandboxLimits`` fields. ``mounts`` (Docker): named volumes mounted read-only, name -> path.
+    The sandbox is closed (container removed) on exit, also on error or cancellation.
     """
     lim = SandboxLimits(**limits)
     if backend == "docker":
@@ -82,7 +108,7 @@ async def open_sandbox(
 
         if not image:
             raise SandboxError("the docker backend needs an image")
-        sb: Sandbox = await DockerSandbox.create(image, lim, labels=labels)
+        sb: Sandbox = await DockerSandbox.create(image, lim, labels=labels, mounts=mounts)
     elif backend == "local":
         from jaxrl_term.sandbox.local import LocalSandbox
 
@@ -132,7 +158,8 @@ class SandboxPool:
         self.open = self.waiting = self.created = self.failed = 0
 
     @contextlib.asynccontextmanager
-    async def sandbox(self, image: str | None = None, *, labels: dict[str, str] | None = None, **limits):
+    async def sandbox(self, image: str | None = None, *, labels: dict[str, str] | None = None,
+                      mounts: dict[str, str] | None = None, **limits):
         self.waiting += 1
         try:
             await self._sem.acquire()
@@ -140,7 +167,8 @@ class SandboxPool:
             self.waiting -= 1
         try:
             try:
-                cm = open_sandbox(self.backend, image, labels=labels, **{**self.default_limits, **limits})
+                cm = open_sandbox(self.backend, image, labels=labels, mounts=mounts,
+                                  **{**self.default_limits, **limits})
                 sb = await cm.__aenter__()
             except BaseException:
                 self.failed += 1

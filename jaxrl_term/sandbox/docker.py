@@ -1,11 +1,19 @@
 """Docker backend: one container per trajectory, a persistent shell over the exec socket.
 
-Containers start with no network by default, CPU / memory (no swap) / pid limits, a working dir and labels
-(``jaxrl_term.run``, ``jaxrl_term.trajectory``, plus the owning host and pid). ``reap`` removes containers
-whose owning process is gone (a crashed or SIGKILLed run) and is called on start-up; ``close`` removes the
-container and its anonymous volumes. Blocking SDK calls run in a thread pool sized for hundreds of sandboxes.
+Containers start with no network by default, CPU / memory (no swap) / pid limits, capabilities the agent does not
+need dropped (``NET_RAW``, ``MKNOD``, ``AUDIT_WRITE``, ``SETFCAP``; ``SYS_PTRACE`` and ``SYS_ADMIN`` are never in
+Docker's default set), ``no-new-privileges``, a disk quota where the storage driver allows one
+(``sandbox.disk_gb``), a working dir and labels. The sandbox toolkit (``toolkit.py``) is mounted read-only at
+``/opt/jaxrl``: the container's main process is its static ``pause`` under docker-init, and the persistent shell
+starts non-dumpable through its ``nodump.so``.
 
-CLI: ``python -m jaxrl_term.sandbox.docker reap [--all]``
+Reaping: every container carries its owner's identity: machine id, boot id, pid and the pid's start time (a
+reused pid is not the owner), and the run id. ``reap`` removes the containers of owners that are gone (a
+crashed or SIGKILLed run: any container of this machine from an earlier boot, or whose owner pid is dead or now a
+different process) and is called on start-up; SIGTERM in the entry points unwinds like an exception, so
+``close`` still removes the container and its anonymous volumes.
+
+CLI: ``python -m jaxrl_term.sandbox.docker reap [--all] [--run RUN_ID]``
 """
 
 from __future__ import annotations
@@ -31,9 +39,13 @@ log = logging.getLogger(__name__)
 
 LABEL_RUN = "jaxrl_term.run"
 LABEL_TRAJ = "jaxrl_term.trajectory"
-LABEL_HOST = "jaxrl_term.host"
+LABEL_HOST = "jaxrl_term.host"  # informational: hostnames change; identity is machine id + boot id + pid + start
+LABEL_MACHINE = "jaxrl_term.machine"
+LABEL_BOOT = "jaxrl_term.boot"
 LABEL_PID = "jaxrl_term.pid"
+LABEL_PID_START = "jaxrl_term.pid_start"
 RUN_ID = os.environ.get("JAXRL_TERM_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
+DROPPED_CAPS = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"]
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="jaxrl-docker")
 
@@ -49,6 +61,28 @@ async def _call(fn, *args, **kwargs):
     return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args, **kwargs))
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def machine_id() -> str:
+    return _read("/etc/machine-id") or _read("/var/lib/dbus/machine-id") or socket.gethostname()
+
+
+def boot_id() -> str:
+    return _read("/proc/sys/kernel/random/boot_id")
+
+
+def pid_start(pid: int) -> str:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); "" if it is gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[1].split()[19] if stat else ""
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -59,22 +93,40 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def reap(*, all_runs: bool = False, run_id: str | None = None) -> int:
-    """Remove labelled containers left behind. By default those whose owning process on this host is dead;
-    ``run_id`` removes one run's; ``all_runs`` every jaxrl_term container. Returns how many were removed."""
+def owner_labels() -> dict[str, str]:
+    """Who owns the sandboxes this process creates: what ``reap`` checks."""
+    return {LABEL_RUN: RUN_ID, LABEL_HOST: socket.gethostname(), LABEL_MACHINE: machine_id(), LABEL_BOOT: boot_id(),
+            LABEL_PID: str(os.getpid()), LABEL_PID_START: pid_start(os.getpid())}
+
+
+def owner_gone(labels: dict[str, str]) -> bool | None:
+    """True if the owner recorded in ``labels`` is gone, False if alive, None if it is another machine's."""
+    if labels.get(LABEL_MACHINE, machine_id()) != machine_id():
+        return None
+    if labels.get(LABEL_MACHINE) is None and labels.get(LABEL_HOST) != socket.gethostname():
+        return None  # a container from before owner identities, made on another host
+    if labels.get(LABEL_BOOT) and labels[LABEL_BOOT] != boot_id():
+        return True  # made before this machine's last boot: every owner from then is gone
+    try:
+        pid = int(labels.get(LABEL_PID, "0"))
+    except ValueError:
+        return True
+    if pid <= 0 or not _pid_alive(pid):
+        return True
+    start = labels.get(LABEL_PID_START)
+    return bool(start) and pid_start(pid) != start  # the pid now belongs to another process
+
+
+def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> int:
+    """Remove labelled containers left behind. By default those whose owner (this machine) is gone; ``run_id``
+    removes one run's; ``all_runs`` every jaxrl_term container. Returns how many were removed."""
+    cl = client_ or client()
     filters = {"label": [LABEL_RUN if run_id is None else f"{LABEL_RUN}={run_id}"]}
     removed = 0
-    host = socket.gethostname()
-    for c in client().containers.list(all=True, filters=filters):
+    for c in cl.containers.list(all=True, filters=filters):
         labels = c.labels or {}
-        if not all_runs and run_id is None:
-            if labels.get(LABEL_HOST) != host:
-                continue
-            try:
-                if _pid_alive(int(labels.get(LABEL_PID, "0"))):
-                    continue
-            except ValueError:
-                pass
+        if not all_runs and run_id is None and owner_gone(labels) is not True:
+            continue
         try:
             c.remove(force=True, v=True)
             removed += 1
@@ -86,6 +138,39 @@ def reap(*, all_runs: bool = False, run_id: str | None = None) -> int:
 
 
 _reaped_at_startup = False
+_quota: bool | None = None
+
+
+def _reap_own() -> None:
+    """At interpreter exit: remove what this process still owns (a normal exit or an unwound SIGTERM closes its
+    sandboxes already; this catches what an exception path skipped)."""
+    try:
+        mine = {LABEL_MACHINE: machine_id(), LABEL_PID: str(os.getpid())}
+        for c in client().containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in mine.items()]}):
+            c.remove(force=True, v=True)
+    except Exception:  # noqa: BLE001 - best effort at exit: the next start-up's reap catches the rest
+        pass
+
+
+def _storage_quota_supported() -> bool:
+    """Whether ``--storage-opt size=`` works on this engine (overlay2 on xfs with pquota, devicemapper, zfs,
+    btrfs); decided once from ``docker info``."""
+    global _quota
+    if _quota is None:
+        driver = "unknown"
+        try:
+            info = client().info()
+            driver = info.get("Driver", "")
+            status = dict(info.get("DriverStatus") or [])
+            fs = status.get("Backing Filesystem", "")
+            _quota = driver in ("devicemapper", "zfs", "btrfs", "windowsfilter") or (driver == "overlay2" and
+                                                                                      fs == "xfs")
+        except Exception:  # noqa: BLE001
+            _quota = False
+        if not _quota:
+            log.info("sandbox disk quota unavailable on this Docker engine (storage driver %s): containers can "
+                     "fill the engine's disk; use overlay2 on xfs (pquota) to enforce sandbox.disk_gb", driver)
+    return _quota
 
 
 def docker_errors():
@@ -102,10 +187,10 @@ class DockerExecTransport:
         self._pending = b""
 
     @classmethod
-    async def open(cls, container_id: str, workdir: str | None, env: dict[str, str]):
+    async def open(cls, container_id: str, workdir: str | None, env: dict[str, str], argv: list[str] | None = None):
         api = client().api
         exec_id = (await _call(
-            api.exec_create, container_id, ["bash", "--noprofile", "--norc"], stdin=True, stdout=True,
+            api.exec_create, container_id, argv or ["bash", "--noprofile", "--norc"], stdin=True, stdout=True,
             stderr=True, tty=False, workdir=workdir, environment=env or None,
         ))["Id"]
         sock = await _call(api.exec_start, exec_id, socket=True)
@@ -151,45 +236,61 @@ class DockerSandbox:
         return self.container.id
 
     @classmethod
-    async def create(cls, image: str, limits: SandboxLimits, *, labels: dict[str, str] | None = None) -> DockerSandbox:
+    async def create(cls, image: str, limits: SandboxLimits, *, labels: dict[str, str] | None = None,
+                     mounts: dict[str, str] | None = None) -> DockerSandbox:
+        """``mounts``: extra named volumes mounted read-only, volume name -> path in the container."""
         global _reaped_at_startup
         if not _reaped_at_startup:
             _reaped_at_startup = True
             await _call(reap)
-        all_labels = {
-            LABEL_RUN: RUN_ID,
-            LABEL_TRAJ: uuid.uuid4().hex[:16],
-            LABEL_HOST: socket.gethostname(),
-            LABEL_PID: str(os.getpid()),
-            **(labels or {}),
-        }
+            import atexit
+
+            atexit.register(_reap_own)
+        all_labels = {LABEL_TRAJ: uuid.uuid4().hex[:16], **owner_labels(), **(labels or {})}
         import docker
+
+        from jaxrl_term.sandbox import toolkit
 
         try:
             await _call(client().images.get, image)  # never pull: no registry is assumed
         except docker.errors.ImageNotFound as e:
             raise SandboxError(f"image {image!r} not found locally; build it first (jaxrl_term.sandbox.images)") from e
         try:
-            container = await _call(
-                client().containers.run,
-                image,
-                ["tail", "-f", "/dev/null"],
-                detach=True,
-                init=True,
-                network_mode="bridge" if limits.network else "none",
-                nano_cpus=int(limits.cpus * 1e9),
-                mem_limit=f"{limits.memory_mb}m",
-                memswap_limit=f"{limits.memory_mb}m",
-                pids_limit=limits.pids,
-                working_dir=limits.workdir,
-                labels=all_labels,
-                environment=dict(limits.env) or None,
-            )
+            kit = await _call(toolkit.ensure_docker_volume, client(), image)
+        except toolkit.ToolkitError as e:
+            raise SandboxError(str(e)) from e
+        volumes = {kit: {"bind": toolkit.MOUNT, "mode": "ro"},
+                   **{v: {"bind": path, "mode": "ro"} for v, path in (mounts or {}).items()}}
+        run_kwargs = dict(
+            detach=True,
+            init=True,  # docker-init (tini, bind-mounted from the host) reaps zombies and forwards signals
+            network_mode="bridge" if limits.network else "none",
+            nano_cpus=int(limits.cpus * 1e9),
+            mem_limit=f"{limits.memory_mb}m",
+            memswap_limit=f"{limits.memory_mb}m",
+            pids_limit=limits.pids,
+            working_dir=limits.workdir,
+            labels=all_labels,
+            environment=dict(limits.env) or None,
+            volumes=volumes,
+            cap_drop=list(DROPPED_CAPS),
+            security_opt=["no-new-privileges"],
+        )
+        if limits.disk_gb and _storage_quota_supported():
+            run_kwargs["storage_opt"] = {"size": f"{limits.disk_gb}G"}
+        try:
+            container = await _call(client().containers.run, image, [toolkit.PAUSE], **run_kwargs)
         except docker.errors.APIError as e:
             raise SandboxError(f"cannot start a container from {image!r}: {e.explanation or e}") from e
 
+        from jaxrl_term.sandbox import shell as shell_mod
+
+        shell_argv = list(getattr(shell_mod, "SHELL_ARGV", ["bash", "--noprofile", "--norc"]))
+
         async def spawn():
-            return await DockerExecTransport.open(container.id, limits.workdir, dict(limits.env))
+            # the shell is non-dumpable (toolkit.NODUMP): the agent cannot read its stdin pipe or memory
+            return await DockerExecTransport.open(container.id, limits.workdir,
+                                                  {**dict(limits.env), "LD_PRELOAD": toolkit.NODUMP}, shell_argv)
 
         async def signal_command(shell_pid: int, start: tuple[int, int], sig: str) -> None:
             # Retried: with every pid taken (a fork bomb) the exec itself may fail to start at first.
@@ -222,7 +323,7 @@ class DockerSandbox:
         return await self.shell.run(command, timeout_s)
 
     async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
-                   workdir: str | None = None) -> CommandResult:
+                   workdir: str | None = None, stdin: bytes | None = None) -> CommandResult:
         import time as _time
 
         from jaxrl_term.sandbox.base import CLEAN_PATH
@@ -232,13 +333,75 @@ class DockerSandbox:
         # coreutils `timeout` inside the container: TERM at the deadline, KILL 2 s later, exit status 124.
         wrapped = ["timeout", "-k", "2", f"{timeout_s:.3f}", *argv]
         environment = {"PATH": CLEAN_PATH, **(env or {})}
-        res = await _call(self.container.exec_run, wrapped, environment=environment,
-                          workdir=workdir or self.limits.workdir, user="root", demux=False)
         cap = OutputCapture(self.limits.max_output_bytes)
-        cap.add(res.output or b"")
-        code = res.exit_code
+        if stdin is None:
+            res = await _call(self.container.exec_run, wrapped, environment=environment,
+                              workdir=workdir or self.limits.workdir, user="root", demux=False)
+            cap.add(res.output or b"")
+            code = res.exit_code
+        else:
+            code = await self._exec_stdin(wrapped, environment, workdir or self.limits.workdir, stdin, cap,
+                                          timeout_s + 5)
         timed_out = code in (124, 137) and _time.monotonic() - t0 >= timeout_s * 0.99
         return CommandResult(cap.text(), code, timed_out, cap.truncated, _time.monotonic() - t0)
+
+    async def _exec_stdin(self, argv, environment, workdir, data: bytes, cap, timeout_s: float) -> int | None:
+        """exec with ``data`` on the process's stdin (then EOF), output demultiplexed into ``cap``."""
+        api = client().api
+        exec_id = (await _call(api.exec_create, self.container.id, argv, stdin=True, stdout=True, stderr=True,
+                               tty=False, workdir=workdir, environment=environment, user="root"))["Id"]
+        sock = await _call(api.exec_start, exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=raw)
+        t = DockerExecTransport(reader, writer, sock, exec_id)
+        try:
+            writer.write(data)
+            await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+
+            async def pump():
+                while chunk := await t.read():
+                    cap.add(chunk)
+
+            await asyncio.wait_for(pump(), timeout_s)
+        finally:
+            await t.close()
+        for _ in range(50):  # the exit code appears once the process is reaped
+            info = await _call(api.exec_inspect, exec_id)
+            if not info.get("Running"):
+                return info.get("ExitCode")
+            await asyncio.sleep(0.05)
+        return None
+
+    async def kill_all(self) -> None:
+        """Restart the container: every process dies (SIGKILL at once), files stay, the main process is the
+        toolkit's ``pause`` again; the shell starts anew on the next ``run``."""
+        await self.shell.close()
+        try:
+            await _call(self.container.restart, timeout=0)
+        except Exception as e:  # noqa: BLE001 - a container that cannot restart is lost
+            from jaxrl_term.sandbox.base import SandboxLost
+
+            raise SandboxLost(f"could not restart container {self.container.short_id}: {e}") from e
+
+    async def changes(self) -> list[tuple[str, str]]:
+        """``docker diff``, without the mount points Docker itself adds (read-only volumes, docker-init) and the
+        directory entries that only changed because a mount point was created in them."""
+        kinds = {0: "C", 1: "A", 2: "D"}
+        diff = await _call(self.container.diff) or []
+        ours = [m.get("Destination", "") for m in (self.container.attrs.get("Mounts") or [])]
+        ours += ["/usr/sbin/docker-init", "/sbin/docker-init", "/dev/init"]
+        out = []
+        for d in diff:
+            kind, path = kinds.get(d.get("Kind"), "C"), d.get("Path", "")
+            if any(path == m or path.startswith(m.rstrip("/") + "/") for m in ours):
+                continue
+            if kind == "C" and any(m.startswith(path.rstrip("/") + "/") for m in ours):
+                continue  # a parent directory that changed because Docker created a mount point in it
+            out.append((kind, path))
+        return out
 
     def _abs(self, path: str) -> str:
         return path if path.startswith("/") else posixpath.join(self.limits.workdir, path)
@@ -308,4 +471,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from jaxrl_term.utils.cli import guard
+
+    raise SystemExit(guard(main)())

@@ -24,6 +24,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -479,16 +480,20 @@ class ImageBuilder:
 
         self.image_map = tuple(tuple(x) for x in image_map)
         self.ca_bundle = resolve_ca_bundle(ca_bundle)
-        self._locks: dict[str, "asyncio.Lock"] = {}
-        self._sem = asyncio.Semaphore(max_parallel_builds)
+        # per event loop: an asyncio lock binds to the loop that first waits on it, and a builder outlives
+        # ``asyncio.run`` calls (a lock left held by a cancelled run of a closed loop must not block the next)
+        self._per_loop: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._max_parallel_builds = max_parallel_builds
         self.built = 0  # images actually built (not found in the cache)
 
     async def ensure(self, dockerfile: str, files: ContextFiles | None = None, timeout_s: float = 1800) -> str:
         import asyncio
 
         key = hashlib.sha256(dockerfile.encode() + repr(sorted((files or {}).items())).encode()).hexdigest()
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock, self._sem:
+        locks, sem = self._per_loop.setdefault(asyncio.get_running_loop(),
+                                               ({}, asyncio.Semaphore(self._max_parallel_builds)))
+        lock = locks.setdefault(key, asyncio.Lock())
+        async with lock, sem:
             client = docker_client()
             tag, built = await asyncio.to_thread(build_task_image, client, dockerfile, files,
                                                  image_map=self.image_map, ca_bundle=self.ca_bundle,

@@ -1,31 +1,58 @@
 """Local backend: the sandbox protocol with bubblewrap, for machines without Docker.
 
-Isolation is clearly weaker than a container, and it is the host's own system:
+Isolation is weaker than a container's, and it is the host's own system: the host's ``/usr`` and ``/etc`` (and
+``/opt``) are bound read-only and the task's Dockerfile is *not* applied, so tasks that need packages the host
+lacks fail here. What the agent gets:
 
-- the host's ``/usr`` (and ``/etc``, ``/opt``) bound read-only; the task's Dockerfile is *not* applied,
-  so tasks that need packages the host lacks will fail here;
-- a private writable work dir (``limits.workdir``, default ``/app``), ``/tmp``, and ``/tests``, ``/logs``,
-  ``/solution`` for the verifier and oracle: host directories removed on ``close``; the rest is read-only;
-- new network (loopback only, ``--unshare-net``), pid, ipc and uts namespaces, ``--die-with-parent``;
-- memory is capped per process by ``RLIMIT_AS`` (an allocation fails instead of an OOM kill); there is no
-  CPU quota and no pid limit (``RLIMIT_NPROC`` counts the host user's processes, unusable as root).
+- a user namespace: a non-root uid inside (``SANDBOX_UID``), no capabilities, ``no_new_privs``, no further user
+  namespaces. ``mount``, ``mknod`` and writes to the read-only system fail; tasks that need root fail here (Docker is
+  the real backend). Running as root, the sandbox's processes run as a host uid of their own (``confine.py``);
+- a pid limit and a memory limit (cgroups, or ``RLIMIT_NPROC`` on that uid; see ``confine.py``), and ``RLIMIT_AS``
+  per process; the sandbox refuses to start where no pid limit can be applied;
+- private writable ``limits.workdir`` (default ``/app``), ``/tmp``, ``/tests``, ``/logs``, ``/solution``: host
+  directories removed on ``close``; the root and everything else is read-only; the toolkit at ``/opt/jaxrl``;
+- new network (loopback only), pid, ipc, uts and cgroup namespaces; a clean environment; ``--die-with-parent``.
+
+The persistent shell starts non-dumpable (``toolkit.NODUMP``): the agent cannot read its stdin pipe or memory.
+``exec`` (the verifier, set-up steps) runs in a second bubblewrap over the same directories, as uid 0 of its own
+user namespace mapped to the same host uid, with no capabilities: "root" for scripts that check, no more power
+than the agent's (the system is read-only anyway).
+
+The file API runs on the host and never follows a symbolic link: paths under the writable directories are walked
+component by component with ``O_NOFOLLOW`` from the directory's own descriptor (a link anywhere in the path is
+refused); other paths are read by ``cat`` inside the sandbox, as the agent's uid, so they show the agent's view.
+
+Reaping: each sandbox directory holds ``owner.json`` (owner machine, boot, pid and its start time, run id, and
+the limits made for it) outside what the sandbox can see. ``reap`` (called when the first sandbox of a process
+starts; CLI ``python -m jaxrl_term.sandbox.local reap``) kills and removes the sandboxes of owners that are gone.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import inspect
+import logging
 import os
 import posixpath
-import resource
 import shutil
 import signal
-import tempfile
+import subprocess
+import time
 from pathlib import Path
 
-from jaxrl_term.sandbox.base import CLEAN_PATH, CommandResult, SandboxError, SandboxLimits
-from jaxrl_term.sandbox.shell import PersistentShell
+from jaxrl_term.sandbox import beneath
+from jaxrl_term.sandbox import confine as cf
+from jaxrl_term.sandbox import local_dirs as dirs
+from jaxrl_term.sandbox.base import CLEAN_PATH, CommandResult, SandboxError, SandboxLimits, SandboxLost
+from jaxrl_term.sandbox.local_dirs import reap  # noqa: F401 - the backend's reaper, for callers and the CLI
+from jaxrl_term.sandbox.shell import OutputCapture, PersistentShell
 
-RO_BINDS = ("/usr", "/etc", "/opt")
+log = logging.getLogger(__name__)
+
+RO_BINDS = ("/usr", "/etc")
+SANDBOX_UID = 1000  # the agent's uid (and gid) inside; exec runs as 0 inside, mapped to the same host uid
+EXTRA_DIRS = ("/tests", "/logs", "/solution")
 
 
 class ProcessTransport:
@@ -42,6 +69,7 @@ class ProcessTransport:
         return await self.proc.stdout.read(65536)
 
     async def close(self) -> None:
+        # bwrap --die-with-parent: killing it kills its pid namespace's init, and with it every process of the shell
         if self.proc.returncode is None:
             try:
                 self.proc.kill()
@@ -73,75 +101,206 @@ def _descendants(root_pid: int) -> dict[int, tuple[int, int, int]]:
     return out
 
 
+# ------------------------------------------------------------------------------------------- bubblewrap
+
+
+_BWRAP: dict[str, object] = {}
+
+
+def _bwrap() -> tuple[str, bool]:
+    """bwrap's path, and whether it has ``--disable-userns`` (0.8+)."""
+    if "path" not in _BWRAP:
+        path = shutil.which("bwrap")
+        if path is None:
+            raise SandboxError("the local sandbox needs bubblewrap: apt-get install bubblewrap")
+        help_text = subprocess.run([path, "--help"], capture_output=True, text=True, check=False).stdout
+        _BWRAP.update(path=path, disable_userns="--disable-userns" in help_text)
+        if not _BWRAP["disable_userns"]:
+            log.warning("bubblewrap %s lacks --disable-userns (0.8+): the agent can create nested user namespaces",
+                        path)
+    return str(_BWRAP["path"]), bool(_BWRAP["disable_userns"])
+
+
+USERNS_HINT = (
+    "the local backend needs unprivileged user namespaces (Debian: sysctl kernel.unprivileged_userns_clone=1; "
+    "Ubuntu 24.04+: sysctl kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap); "
+    "or use the docker backend"
+)
+
+
+# --------------------------------------------------------------------------------------------- sandbox
+
+
 class LocalSandbox:
-    def __init__(self, limits: SandboxLimits, root: Path):
-        self.limits, self.root = limits, root
+    def __init__(self, limits: SandboxLimits, root: Path, confinement: cf.Confinement):
+        self.limits, self.root, self.confine = limits, root, confinement
         self.work, self.tmp = root / "work", root / "tmp"
         self.shell: PersistentShell | None = None
         self._bwrap_pid: int | None = None
         self._closed = False
+        self._owner_ids = (confinement.host_uid, confinement.host_uid) if confinement.host_uid is not None else None
+        self._opt: list[tuple[str, str | None]] = []  # host /opt entries (name, link target or None)
+        self._passwd = False  # an /etc/passwd naming SANDBOX_UID is bound over the host's
 
     @classmethod
     async def create(cls, limits: SandboxLimits, image: str | None = None) -> LocalSandbox:
-        if shutil.which("bwrap") is None:
-            raise SandboxError("the local sandbox needs bubblewrap: apt-get install bubblewrap")
-        root = Path(tempfile.mkdtemp(prefix="jaxrl-local-"))
-        sb = cls(limits, root)
-        sb.work.mkdir()
-        sb.tmp.mkdir()
-        sb.tmp.chmod(0o1777)
-        for _, host in sb._extra_binds():
-            host.mkdir()
-        sb.shell = PersistentShell(sb._spawn, sb._signal_command, workdir=limits.workdir,
-                                   max_output_bytes=limits.max_output_bytes, env=dict(limits.env))
+        _bwrap()
+        await asyncio.to_thread(dirs.first_start)
+        kind = cf.pick_kind()
+        from jaxrl_term.sandbox import toolkit
+
         try:
+            kit = toolkit.ensure_host_dir()
+        except toolkit.ToolkitError as e:
+            raise SandboxError(str(e)) from e
+        name, root, uid = dirs.claim()
+        dirs.OWN.add(root)
+        try:
+            conf = cf.Confinement.plan(kind, name, limits.pids, limits.memory_mb, uid)
+            dirs.write_record(root, conf)
+            sb = cls(limits, root, conf)
+            await asyncio.to_thread(sb._prepare, kit)
+        except BaseException:
+            dirs.OWN.discard(root)
+            dirs.destroy(root)
+            raise
+        try:
+            if not _BWRAP.get("probed"):
+                await sb._probe()
+                _BWRAP["probed"] = True
+            sb.shell = sb._make_shell()
             await sb.shell.start()
         except BaseException:
             await sb.close()
             raise
         return sb
 
-    def _argv(self, command: list[str] | None = None, workdir: str | None = None) -> list[str]:
+    def _prepare(self, kit: Path) -> None:
+        self.confine.apply()
+        for d in (self.work, self.tmp, *(h for _, h in self._extra_binds())):
+            d.mkdir()
+            if self._owner_ids:
+                os.chown(d, *self._owner_ids)
+        self.tmp.chmod(0o1777)
+        (self.root / "kit").mkdir()
+        for f in kit.iterdir():
+            shutil.copy2(f, self.root / "kit" / f.name)  # a copy: /root (the toolkit's cache) is closed to the uid
+        self._opt = [(e.name, os.readlink(e.path) if e.is_symlink() else None) for e in os.scandir("/opt")
+                     if e.name != "jaxrl"] if os.path.isdir("/opt") else []
+        try:
+            import pwd
+
+            pwd.getpwuid(SANDBOX_UID)
+        except KeyError:  # give the agent's uid a name and a home (some tools ask)
+            entry = f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{self.limits.workdir}:/bin/bash\n"
+            for f, line in (("passwd", entry), ("group", f"sandbox:x:{SANDBOX_UID}:\n")):
+                host = Path("/etc") / f
+                (self.root / f).write_text((host.read_text() if host.exists() else "") + line)
+            self._passwd = True
+
+    def _make_shell(self) -> PersistentShell:
+        hooks = {"recover": self._recover, "pid_pressure": self.confine.pid_pressure, "kill_tree": self._kill_tree}
+        accepted = inspect.signature(PersistentShell.__init__).parameters  # hooks of the shell's own version
+        return PersistentShell(self._spawn, self._signal_command, workdir=self.limits.workdir,
+                               max_output_bytes=self.limits.max_output_bytes, env=dict(self.limits.env),
+                               **{k: v for k, v in hooks.items() if k in accepted})
+
+    async def _probe(self) -> None:
+        """Start one sandbox process to turn bwrap's failures (user namespaces refused) into a clear error."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(["true"], uid=SANDBOX_UID), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, preexec_fn=self.confine.preexec,
+            start_new_session=True, env=self._host_env())
+        _, err = await proc.communicate()
+        if proc.returncode != 0:
+            msg = err.decode(errors="replace").strip()
+            userns = ("namespace", "uid map", "setting up uid", "Operation not permitted")
+            hint = USERNS_HINT if any(w in msg for w in userns) else ""
+            raise SandboxError(f"bubblewrap could not start the local sandbox: {msg}" + (f" ({hint})" if hint else ""))
+
+    def _host_env(self) -> dict[str, str]:
+        return {"PATH": CLEAN_PATH}  # bwrap passes its environment on: none of the host's variables reach the agent
+
+    def _argv(self, command: list[str], *, uid: int, workdir: str | None = None,
+              env: dict[str, str] | None = None, as_pid_1: bool = False) -> list[str]:
         wd = self.limits.workdir
-        argv = ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+        path, disable_userns = _bwrap()
+        # as_pid_1 (the shell): no bwrap reaper as pid 1, which would hold the shell's pipes open where the agent
+        # could read them (/proc/1/fd/0); the non-dumpable shell is pid 1 and reaps orphans itself
+        argv = [path, *(["--as-pid-1"] if as_pid_1 else []), "--unshare-user", "--uid", str(uid), "--gid", str(uid), "--cap-drop", "ALL",
+                "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                 "--hostname", "sandbox"]
+        if disable_userns:
+            argv.append("--disable-userns")
         if not self.limits.network:
             argv.append("--unshare-net")
         for d in RO_BINDS:
             if os.path.isdir(d):
                 argv += ["--ro-bind", d, d]
+        if self._passwd:
+            argv += ["--ro-bind", str(self.root / "passwd"), "/etc/passwd",
+                     "--ro-bind", str(self.root / "group"), "/etc/group"]
         for d in ("bin", "sbin", "lib", "lib64", "lib32"):
             host = Path("/") / d
             if host.is_symlink():
                 argv += ["--symlink", os.readlink(host), f"/{d}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{d}"]
+        # /opt: the host's entries read-only (links stay links) and the toolkit; a tmpfs under them, then read-only
+        argv += ["--tmpfs", "/opt"]
+        for entry, link in self._opt:
+            argv += ["--symlink", link, f"/opt/{entry}"] if link is not None else \
+                ["--ro-bind", f"/opt/{entry}", f"/opt/{entry}"]
+        argv += ["--ro-bind", str(self.root / "kit"), "/opt/jaxrl", "--remount-ro", "/opt"]
         argv += ["--proc", "/proc", "--dev", "/dev", "--bind", str(self.tmp), "/tmp", "--bind", str(self.work), wd]
         for inside, host in self._extra_binds():
             argv += ["--bind", str(host), inside]
-        argv += ["--chdir", workdir or wd, "--setenv", "HOME", wd, "--setenv", "PATH", CLEAN_PATH]
-        return argv + (command or ["bash", "--noprofile", "--norc"])
+        argv += ["--remount-ro", "/", "--chdir", workdir or wd, "--setenv", "HOME", wd, "--setenv", "PATH", CLEAN_PATH]
+        for k, v in (env or {}).items():
+            argv += ["--setenv", k, v]
+        return argv + ["--", *command]
 
     def _extra_binds(self) -> list[tuple[str, Path]]:
         """Private writable /tests, /logs and /solution (the verifier's and the oracle's places)."""
-        return [(inside, self.root / inside.strip("/")) for inside in ("/tests", "/logs", "/solution")]
+        return [(inside, self.root / inside.strip("/")) for inside in EXTRA_DIRS]
+
+    def _writable(self) -> list[tuple[str, Path]]:
+        return [(self.limits.workdir, self.work), ("/tmp", self.tmp), *self._extra_binds()]
+
+    # -- processes --------------------------------------------------------------------------------
+    async def _spawn(self) -> ProcessTransport:
+        from jaxrl_term.sandbox import shell as shell_mod
+        from jaxrl_term.sandbox import toolkit
+
+        argv = list(getattr(shell_mod, "SHELL_ARGV", ["bash", "--noprofile", "--norc"]))
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(argv, uid=SANDBOX_UID, env={"LD_PRELOAD": toolkit.NODUMP}, as_pid_1=True), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self.confine.preexec,
+            start_new_session=True, env=self._host_env())
+        self._bwrap_pid = proc.pid
+        return ProcessTransport(proc)
 
     async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
-                   workdir: str | None = None) -> CommandResult:
-        """A second bwrap over the same private dirs, outside the agent's shell."""
-        import time as _time
-
-        from jaxrl_term.sandbox.shell import OutputCapture
-
-        t0 = _time.monotonic()
-        cmd = self._argv(argv, workdir)
-        for k, v in (env or {}).items():
-            cmd[-len(argv):-len(argv)] = ["--setenv", k, v]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True)
+                   workdir: str | None = None, stdin: bytes | None = None) -> CommandResult:
+        """A second bubblewrap over the same directories, outside the agent's shell: uid 0 of its own user namespace
+        (the same host uid as the agent's, no capabilities), in the sandbox's limits."""
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(argv, uid=0, workdir=workdir, env=env),
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self.confine.preexec,
+            start_new_session=True, env=self._host_env())
         cap = OutputCapture(self.limits.max_output_bytes)
         timed_out = False
+
+        async def feed():
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(stdin)
+                await proc.stdin.drain()
+                proc.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
 
         async def pump():
             assert proc.stdout is not None
@@ -149,29 +308,20 @@ class LocalSandbox:
                 cap.add(chunk)
             return await proc.wait()
 
+        feeder = asyncio.create_task(feed()) if stdin is not None else None
         try:
             code = await asyncio.wait_for(pump(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # bwrap; --die-with-parent takes its pid namespace along
             except ProcessLookupError:
                 pass
             code = await proc.wait()
-        return CommandResult(cap.text(), code, timed_out, cap.truncated, _time.monotonic() - t0)
-
-    async def _spawn(self) -> ProcessTransport:
-        mem = self.limits.memory_mb * 1024 * 1024
-
-        def limit():
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-
-        proc = await asyncio.create_subprocess_exec(
-            *self._argv(), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, preexec_fn=limit, start_new_session=True,
-        )
-        self._bwrap_pid = proc.pid
-        return ProcessTransport(proc)
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+        return CommandResult(cap.text(), code, timed_out, cap.truncated, time.monotonic() - t0)
 
     async def _signal_command(self, shell_pid: int, start: tuple[int, int], sig: str) -> None:
         """The rule of ``shell.KILL_SCRIPT``, applied from the host to the bwrap process's descendants
@@ -199,20 +349,65 @@ class LocalSandbox:
                 except ProcessLookupError:
                     pass
 
-    # -- paths ------------------------------------------------------------------------------------
-    def _host_path(self, path: str, *, write: bool) -> Path:
-        wd = self.limits.workdir
-        p = posixpath.normpath(path if path.startswith("/") else posixpath.join(wd, path))
-        for inside, host in ((wd, self.work), ("/tmp", self.tmp), *self._extra_binds()):
+    async def _kill_tree(self, shell_pid: int | None = None) -> None:
+        """Kill the shell's whole pid namespace (its bwrap; the namespace dies with its init)."""
+        if self._bwrap_pid is not None:
+            for pid in [self._bwrap_pid, *_descendants(self._bwrap_pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    async def _recover(self) -> None:
+        """Before a shell restart that failed (e.g. every pid taken): kill every process of the sandbox."""
+        if not await asyncio.to_thread(self.confine.kill_all):
+            raise SandboxLost("the sandbox's processes could not be killed")
+
+    async def kill_all(self) -> None:
+        """Kill every process of the sandbox (the shell's, and any exec's); the shell restarts on the next run."""
+        if self.shell is not None:
+            await self.shell.close()
+        await self._recover()
+
+    async def changes(self) -> list[tuple[str, str]]:
+        """Everything in the writable directories (they start empty; the rest of the filesystem is read-only):
+        ("C", mount point) when it has content, ("A", path) for each entry."""
+        out: list[tuple[str, str]] = []
+        for inside, host in self._writable():
+            found = await asyncio.to_thread(beneath.listing, host)
+            if found:
+                out += [("C", inside), *(("A", posixpath.join(inside, rel)) for rel in found)]
+        return out
+
+    # -- files ------------------------------------------------------------------------------------
+    def _locate(self, path: str) -> tuple[Path, list[str]] | None:
+        """(host dir, components) for a path under a writable directory, else None (``..`` resolved lexically:
+        it cannot climb out of the sandbox's own root)."""
+        p = "/" + posixpath.normpath(posixpath.join(self.limits.workdir, path)).lstrip("/")
+        for inside, host in sorted(self._writable(), key=lambda x: -len(x[0])):
             if p == inside or p.startswith(inside.rstrip("/") + "/"):
-                return host / posixpath.relpath(p, inside)
-        if not write and any(p == d or p.startswith(d + "/") for d in RO_BINDS):
-            return Path(p)
-        raise SandboxError(
-            f"{path}: the local sandbox can only {'write' if write else 'read'} under {wd}, /tmp, /tests, /logs"
-            " and /solution"
-            + ("" if write else f" (and read {', '.join(RO_BINDS)})")
-        )
+                rel = posixpath.relpath(p, inside)
+                return host, ([] if rel == "." else rel.split("/"))
+        return None
+
+    def _writable_target(self, path: str) -> tuple[Path, list[str]]:
+        where = self._locate(path)
+        if where is None:
+            raise SandboxError(f"{path}: the local sandbox can only write under "
+                               f"{', '.join(i for i, _ in self._writable())}")
+        return where
+
+    async def _read_inside(self, path: str) -> bytes:
+        """A file outside the writable directories, read by ``cat`` in the sandbox as the agent."""
+        proc = await asyncio.create_subprocess_exec(
+            *self._argv(["cat", "--", path], uid=SANDBOX_UID), stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=self.confine.preexec,
+            start_new_session=True, env=self._host_env())
+        out, err = await proc.communicate()
+        if proc.returncode != 0:
+            msg = err.decode(errors="replace").strip()
+            raise SandboxError(f"read_file {path}: " + ("no such file" if "No such file" in msg else msg))
+        return out
 
     # -- protocol ---------------------------------------------------------------------------------
     async def run(self, command: str, timeout_s: float = 30.0) -> CommandResult:
@@ -220,23 +415,21 @@ class LocalSandbox:
         return await self.shell.run(command, timeout_s)
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        host = self._host_path(path, write=True)
-        host.parent.mkdir(parents=True, exist_ok=True)
-        host.write_bytes(data)
-        host.chmod(mode)
+        host, parts = self._writable_target(path)
+        await asyncio.to_thread(beneath.write, host, parts, data, mode, path, self._owner_ids)
 
     async def read_file(self, path: str) -> bytes:
-        host = self._host_path(path, write=False)
-        if not host.is_file():
-            raise SandboxError(f"read_file {path}: no such file")
-        return host.read_bytes()
+        where = self._locate(path)
+        if where is None:
+            return await self._read_inside(path)
+        return await asyncio.to_thread(beneath.read, *where, path)
 
     async def upload_dir(self, local_dir: str | os.PathLike, remote_dir: str) -> None:
         local_dir = Path(local_dir)
         if not local_dir.is_dir():
             raise SandboxError(f"upload_dir: {local_dir} is not a directory")
-        dest = self._host_path(remote_dir, write=True)
-        shutil.copytree(local_dir, dest, dirs_exist_ok=True, symlinks=True)
+        host, parts = self._writable_target(remote_dir)
+        await asyncio.to_thread(beneath.upload, local_dir, host, parts, remote_dir, self._owner_ids)
 
     async def close(self) -> None:
         if self._closed:
@@ -244,4 +437,19 @@ class LocalSandbox:
         self._closed = True
         if self.shell is not None:
             await self.shell.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        await asyncio.to_thread(dirs.destroy, self.root)
+        dirs.OWN.discard(self.root)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m jaxrl_term.sandbox.local")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reap", help="remove local sandboxes left behind by dead runs")
+    r.add_argument("--all", action="store_true", help="every local sandbox of this user, live owners' too")
+    r.add_argument("--run", help="one run's sandboxes (its run id)")
+    args = ap.parse_args(argv)
+    print(f"removed {dirs.reap(all_runs=args.all, run_id=args.run)} local sandboxes")
+
+
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,8 @@ class CheckResult:
     task_id: str
     agent: str
     score: float | None
-    outcome: str  # scored | test_timeout | verifier_error | build_error | sandbox_error | no_solution
+    outcome: str  # scored | test_timeout | tampered | verifier_sabotaged | verifier_error | build_error |
+    #              sandbox_error | no_solution
     passed: dict[str, bool]
     duration_s: float
     broken: bool
@@ -54,7 +55,10 @@ async def check_task(task: Task, agent: str, *, backend: str = "docker", builder
         async with open_task_sandbox(task, backend=backend, builder=builder, **(limits or {})) as sb:
             if agent == "oracle":
                 await run_oracle(task, sb)
-            res = await verify(task, sb, scoring=scoring)
+            # the same verifier as training: tamper checks included (a cheating "oracle" is not "ok"), and a
+            # verifier error re-checked on a fresh sandbox of the task
+            res = await verify(task, sb, scoring=scoring, fresh=lambda: open_task_sandbox(
+                task, backend=backend, builder=builder, **(limits or {})))
     except Exception as e:  # noqa: BLE001 - a task that cannot even start is reported, not raised
         kind = "build_error" if type(e).__name__ == "ImageBuildError" else "sandbox_error"
         return CheckResult(task.id, agent, None, kind, {}, time.monotonic() - t0, True, f"{type(e).__name__}: {e}")

@@ -7,6 +7,7 @@ import logging
 import shlex
 from collections.abc import AsyncIterator
 
+from jaxrl_term.sandbox import toolchain
 from jaxrl_term.sandbox.base import Sandbox, SandboxError, SandboxPool, open_sandbox
 from jaxrl_term.tasks.task import Task, TaskFormatError
 
@@ -47,19 +48,25 @@ async def open_task_sandbox(
     **limits,
 ) -> AsyncIterator[Sandbox]:
     """``async with open_task_sandbox(task, builder=ImageBuilder()) as sb`` -> a sandbox in the task's initial
-    state. Docker: the task image (built on first use). Local: the host system with the Dockerfile's
-    WORKDIR / COPY / ENV / RUN steps replayed inside the sandbox (no package installs)."""
+    state. Docker: the task image (built on first use), with the verifier's toolchain volume mounted read-only
+    (``sandbox/toolchain.py``). Local: the host system with the Dockerfile's WORKDIR / COPY / ENV / RUN steps
+    replayed inside the sandbox (no package installs)."""
     lim = _limits(task, limits)
     labels = {"jaxrl_term.task": task.id[:63], **(labels or {})}
+    mounts = None
     if backend == "docker":
         if builder is None:
             from jaxrl_term.sandbox.images import ImageBuilder
 
             builder = ImageBuilder()
         image = await image_for(task, builder)
+        # the verifier's own python, copied from the pristine image (made once per image, before any agent runs)
+        tc = await toolchain.for_image(image)
+        mounts = {tc.volume: toolchain.MOUNT} if tc.volume else None
     else:
         image = None
-    cm = pool.sandbox(image, labels=labels, **lim) if pool else open_sandbox(backend, image, labels=labels, **lim)
+    cm = (pool.sandbox(image, labels=labels, mounts=mounts, **lim) if pool
+          else open_sandbox(backend, image, labels=labels, mounts=mounts, **lim))
     async with cm as sb:
         if backend == "local":
             await replay_dockerfile(task, sb)

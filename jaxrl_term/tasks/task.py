@@ -84,6 +84,9 @@ class Task:
     agent_timeout_s: float = 600.0
     test_timeout_s: float = 120.0
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # difficulty, category, tags, source
+    # Shell commands that start the services the tests talk to. The verifier kills every process the agent left
+    # running, then starts these (from the task's definition, not inherited from the agent) before the tests.
+    services: tuple[str, ...] = ()
 
     __hash__ = None  # holds dicts; compare with ==
 

@@ -1,0 +1,71 @@
+"""What every scaffold (action format) provides: the first messages, a parser, the observation messages.
+
+A parser never raises: every reply becomes actions and/or parse errors (``Parsed``), and the loop scores the
+rest. Arguments are checked by the tools' ``validate``; the strings in them are made encodable first.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib.resources
+import string
+from typing import Any
+
+from jaxrl_term.agent.tools import ToolResult
+
+
+@dataclasses.dataclass
+class Action:
+    tool: str
+    args: dict[str, Any]
+    raw: str = ""
+
+
+@dataclasses.dataclass
+class Parsed:
+    actions: list[Action]
+    errors: list[str]
+    no_action: bool = False  # the reply attempted no action at all: the scaffold ends the episode on it
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # scaffold-specific (e.g. the reply role)
+
+    @property
+    def is_error_turn(self) -> bool:
+        """Nothing valid to execute and something malformed: counts toward the consecutive parse-error limit."""
+        return not self.actions and bool(self.errors)
+
+
+def load_prompt(name: str, **values: Any) -> str:
+    text = importlib.resources.files("jaxrl_term.agent").joinpath(f"prompts/{name}.md").read_text()
+    return string.Template(text).safe_substitute(**values)
+
+
+class Scaffold(abc.ABC):
+    name = "base"
+    tools: list | None = None  # passed to the chat template (native tool calling)
+
+    def __init__(self, *, max_actions_per_turn: int = 10, max_observation_chars: int = 16000,
+                 command_timeout_s: float = 30.0):
+        self.max_actions_per_turn = max_actions_per_turn
+        self.max_observation_chars = max_observation_chars
+        self.command_timeout_s = command_timeout_s
+
+    @abc.abstractmethod
+    def initial_messages(self, instruction: str) -> list[dict]:
+        """The conversation before the first reply."""
+
+    @abc.abstractmethod
+    def parse(self, text: str) -> Parsed:
+        """Model output text -> actions and parse errors (never raises)."""
+
+    def finished(self, parsed: Parsed, results: list[ToolResult]) -> bool:
+        """Whether this turn ends the episode as the agent's own decision."""
+        return any(r.finished for r in results)
+
+    @abc.abstractmethod
+    def observation_messages(self, parsed: Parsed, results: list[ToolResult]) -> list[dict]:
+        """Chat messages that carry the results (and parse errors) back to the model."""
+
+    def assistant_message(self, text: str, parsed: Parsed) -> dict:
+        """The assistant turn as a chat message (for re-rendering and judging)."""
+        return {"role": "assistant", "content": text}

@@ -1,0 +1,314 @@
+"""Limits and identity for the local (bubblewrap) backend: a pid limit, a memory limit and the host uid a sandbox's
+processes run as.
+
+The first mechanism that works on this machine is used (``JAXRL_TERM_LOCAL_CONFINE=auto|cgroup2|cgroup1|uid``
+forces one):
+
+- ``cgroup2``: one cgroup per sandbox with ``pids.max``, ``memory.max`` and ``memory.swap.max = 0``, under a
+  delegated parent: ``$JAXRL_TERM_CGROUP`` (e.g. a systemd unit or scope with ``Delegate=yes``, for non-root
+  users), else ``jaxrl_term`` under this process's own cgroup, else ``jaxrl_term`` at the top of the hierarchy.
+- ``cgroup1``: the same with the v1 ``pids`` and ``memory`` controllers (root on a v1 or hybrid hierarchy),
+  nested under this process's own cgroups so the sandboxes stay inside whatever limits the owner lives in.
+- ``uid``: no writable cgroup, running as root: ``RLIMIT_NPROC`` on the sandbox's dedicated host uid (the kernel
+  counts that uid's processes, and only the sandbox has it); memory is then capped per process only
+  (``RLIMIT_AS``, which every mechanism also sets, so one huge allocation fails with ``MemoryError``).
+
+None of them works: ``SandboxError`` naming the fix. A sandbox never runs without a pid limit.
+
+Identity: running as root, every sandbox gets its own unprivileged host uid and gid (``UID_BASE`` + n, claimed by
+creating the sandbox's directory), so its processes can signal, trace or read nothing of the host's or another
+sandbox's; as another user, the sandbox runs as that user. Either way a user namespace maps it to a non-root uid
+with no capabilities inside (``local.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import os
+import resource
+import signal
+import time
+from pathlib import Path
+
+from jaxrl_term.sandbox.base import SandboxError
+
+log = logging.getLogger(__name__)
+
+UID_BASE = 2_000_000_000  # far above login users, subuid ranges (100000+) and Docker's userns remapping
+UID_SPAN = 1_000_000
+KINDS = ("cgroup2", "cgroup1", "uid")
+_warned_memory = False
+NO_PID_LIMIT = (
+    "the local sandbox cannot apply a pid limit on this machine and will not run unconfined: it needs a writable "
+    "cgroup (cgroup v2: export JAXRL_TERM_CGROUP=<a delegated cgroup dir>, e.g. from `systemd-run --user --scope "
+    "-p Delegate=yes ...`; cgroup v1/v2 hierarchies as root), or to run as root (a dedicated uid with "
+    "RLIMIT_NPROC). Or use the docker backend."
+)
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(mount root, mount point, fs type, super options) of every cgroup mount, from /proc/self/mountinfo."""
+    out = []
+    for line in _read(Path("/proc/self/mountinfo")).splitlines():
+        pre, _, post = line.partition(" - ")
+        f, g = pre.split(), post.split()
+        if len(f) >= 5 and len(g) >= 3 and g[0] in ("cgroup", "cgroup2"):
+            out.append((f[3], f[4].replace("\\040", " "), g[0], set(g[2].split(","))))
+    return out
+
+
+def _own_dir(mount_root: str, mount_point: str, own: str) -> Path:
+    rel = os.path.relpath(own, mount_root) if own.startswith(mount_root) else own.lstrip("/")
+    return Path(mount_point) / ("" if rel == "." else rel)
+
+
+# ---------------------------------------------------------------------------------------------- parents
+
+
+def _v2_ready(base: Path, parent_may_enable: bool) -> bool:
+    """``base`` exists (created if needed) and hands pids (and memory when present) to its children."""
+    try:
+        base.mkdir(exist_ok=True)
+        want = {"pids", "memory"}
+        have = set(_read(base / "cgroup.controllers").split())
+        if "pids" not in have and parent_may_enable:
+            _write(base.parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in want))
+            have = set(_read(base / "cgroup.controllers").split())
+        if "pids" not in have:
+            return False
+        missing = (want & have) - set(_read(base / "cgroup.subtree_control").split())
+        if missing:
+            _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(missing)))
+        return True
+    except OSError as e:
+        log.debug("cgroup v2 parent %s unusable: %s", base, e)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def cgroup2_parent() -> Path | None:
+    """The delegated cgroup v2 directory per-sandbox cgroups are made in, or None."""
+    env = os.environ.get("JAXRL_TERM_CGROUP")
+    if env:
+        return Path(env) if _v2_ready(Path(env), parent_may_enable=False) else None
+    v2 = [(root, mp) for root, mp, kind, _ in _mounts() if kind == "cgroup2"]
+    own = next((line[3:] for line in _read(Path("/proc/self/cgroup")).splitlines() if line.startswith("0::")), None)
+    if not v2 or own is None:
+        return None
+    root, mp = v2[0]
+    for base in (_own_dir(root, mp, own) / "jaxrl_term", Path(mp) / "jaxrl_term"):
+        if _v2_ready(base, parent_may_enable=True):
+            return base
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def cgroup1_parents() -> dict[str, Path]:
+    """controller -> the v1 directory per-sandbox cgroups are made in ({} without a writable ``pids``)."""
+    own = {}
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        _, ctrls, path = line.split(":", 2)
+        for c in ctrls.split(","):
+            own[c] = path
+    out = {}
+    for root, mp, kind, opts in _mounts():
+        for c in ("pids", "memory"):
+            if kind == "cgroup" and c in opts and c in own and c not in out:
+                base = _own_dir(root, mp, own[c]) / "jaxrl_term"
+                try:
+                    base.mkdir(exist_ok=True)
+                    if os.access(base, os.W_OK):
+                        out[c] = base
+                except OSError as e:
+                    log.debug("cgroup v1 %s parent %s unusable: %s", c, base, e)
+    return out if "pids" in out else {}
+
+
+def pick_kind() -> str:
+    forced = os.environ.get("JAXRL_TERM_LOCAL_CONFINE", "auto")
+    if forced not in ("auto", *KINDS):
+        raise SandboxError(f"JAXRL_TERM_LOCAL_CONFINE={forced!r}: use auto, {', '.join(KINDS)}")
+    usable = {"cgroup2": lambda: cgroup2_parent() is not None, "cgroup1": lambda: bool(cgroup1_parents()),
+              "uid": lambda: os.geteuid() == 0}
+    for kind in KINDS if forced == "auto" else (forced,):
+        if usable[kind]():
+            return kind
+    raise SandboxError(NO_PID_LIMIT if forced == "auto" else f"JAXRL_TERM_LOCAL_CONFINE={forced}: not usable here. "
+                       + NO_PID_LIMIT)
+
+
+# -------------------------------------------------------------------------------------------- processes
+
+
+def uid_pids(uid: int) -> list[int]:
+    """Live host pids whose real uid is ``uid`` (read from status: a non-dumpable process's /proc dir is root's)."""
+    out = []
+    for d in os.scandir("/proc"):
+        if not d.name.isdigit():
+            continue
+        try:
+            st = d.stat(follow_symlinks=False)
+            if st.st_uid not in (uid, 0):
+                continue
+            with open(f"/proc/{d.name}/status") as f:
+                for line in f:
+                    if line.startswith("State:") and line.split()[1] in ("Z", "X"):
+                        break  # exited, waiting to be reaped: nothing left to kill
+                    if line.startswith("Uid:"):
+                        if int(line.split()[1]) == uid:
+                            out.append(int(d.name))
+                        break
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclasses.dataclass
+class Confinement:
+    """One sandbox's limits. ``preexec`` runs in the forked child before it execs bubblewrap."""
+
+    kind: str
+    pids: int
+    memory_bytes: int
+    host_uid: int | None = None  # a dedicated host uid (running as root), else None: this process's own user
+    cgroups: tuple[str, ...] = ()  # the sandbox's cgroup dirs (one per v1 controller; one for v2)
+
+    @classmethod
+    def plan(cls, kind: str, name: str, pids: int, memory_mb: int, host_uid: int | None) -> Confinement:
+        """What ``apply`` will make (recorded with the sandbox before anything exists, for the reaper)."""
+        if kind == "uid" and host_uid is None:
+            raise SandboxError(NO_PID_LIMIT)
+        if kind == "cgroup2":
+            dirs = [cgroup2_parent() / name]
+        elif kind == "cgroup1":
+            dirs = [parent / name for parent in cgroup1_parents().values()]
+        else:
+            dirs = []
+        return cls(kind, pids, memory_mb * 1024 * 1024, host_uid, tuple(map(str, dirs)))
+
+    def apply(self) -> None:
+        try:
+            for d in map(Path, self.cgroups):
+                d.mkdir()
+                if (d / "pids.max").exists():
+                    _write(d / "pids.max", str(self.pids))
+                if (d / "memory.max").exists():  # v2
+                    _write(d / "memory.max", str(self.memory_bytes))
+                    if (d / "memory.swap.max").exists():
+                        _write(d / "memory.swap.max", "0")
+                elif (d / "memory.limit_in_bytes").exists():  # v1
+                    _write(d / "memory.limit_in_bytes", str(self.memory_bytes))
+                    if (d / "memory.memsw.limit_in_bytes").exists():
+                        _write(d / "memory.memsw.limit_in_bytes", str(self.memory_bytes))
+        except OSError as e:
+            self.release()
+            raise SandboxError(f"could not set up the sandbox's {self.kind} limits: {e}") from e
+        if self.cgroups and not any((Path(d) / "pids.max").exists() for d in self.cgroups):
+            self.release()
+            raise SandboxError(f"the sandbox's cgroups {self.cgroups} have no pids.max: " + NO_PID_LIMIT)
+        global _warned_memory
+        if not _warned_memory and not any((Path(d) / f).exists() for d in self.cgroups
+                                          for f in ("memory.max", "memory.limit_in_bytes")):
+            _warned_memory = True
+            log.warning("no writable cgroup memory controller (limits: %s): sandbox memory is capped per process "
+                        "only (RLIMIT_AS)", self.kind)
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, rec: dict) -> Confinement:
+        return cls(rec["kind"], rec["pids"], rec["memory_bytes"], rec.get("host_uid"), tuple(rec.get("cgroups", ())))
+
+    # -- in the child -----------------------------------------------------------------------------
+    def preexec(self) -> None:
+        """Join the cgroups, set the rlimits, drop to the dedicated uid (in that order: as root)."""
+        for d in self.cgroups:
+            _write(Path(d) / "cgroup.procs", "0")
+        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
+        if self.host_uid is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (self.pids, self.pids))
+            os.setgroups([])
+            os.setresgid(self.host_uid, self.host_uid, self.host_uid)
+            os.setresuid(self.host_uid, self.host_uid, self.host_uid)
+
+    # -- from the host ----------------------------------------------------------------------------
+    def members(self) -> list[int]:
+        """Host pids of every process in the sandbox: cgroup members and the dedicated uid's processes."""
+        pids: set[int] = set(uid_pids(self.host_uid)) if self.host_uid is not None else set()
+        for d in self.cgroups:
+            pids.update(int(p) for p in _read(Path(d) / "cgroup.procs").split())
+        return sorted(pids)
+
+    def count(self) -> int:
+        """Tasks charged against the pid limit right now."""
+        for d in self.cgroups:
+            if (Path(d) / "pids.current").exists():
+                return int(_read(Path(d) / "pids.current") or 0)
+        return len(self.members())
+
+    def pid_pressure(self) -> bool:
+        return self.count() >= self.pids * 0.8
+
+    def kill_all(self, timeout_s: float = 10.0) -> bool:
+        """SIGKILL every process of the sandbox until none is left; True if none is."""
+        deadline = time.monotonic() + timeout_s
+        for d in self.cgroups:
+            if (Path(d) / "cgroup.kill").exists():
+                try:
+                    _write(Path(d) / "cgroup.kill", "1")
+                except OSError:
+                    pass
+        while True:
+            left = self.members()
+            if not left:
+                return True
+            if time.monotonic() > deadline:
+                log.warning("sandbox processes still alive after kill: %s", left[:10])
+                return False
+            _kill(left)
+            time.sleep(0.01)
+
+    def release(self) -> None:
+        """Kill what is left and remove the cgroups (retried: dying processes leave them late)."""
+        self.kill_all()
+        for d in self.cgroups:
+            for _ in range(100):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        log.debug("rmdir %s: %s", d, e)
+                        break
+                    _kill(int(p) for p in _read(Path(d) / "cgroup.procs").split())
+                    time.sleep(0.02)
+

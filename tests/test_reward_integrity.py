@@ -1,0 +1,407 @@
+"""Reward integrity: an agent that does no work never scores, whatever it does to the verifier.
+
+The attack suite (``integrity_attacks.py``): a no-op agent plus one tampering step, on every runner (built-in pytest,
+Harbor ``test.sh``, TB1 ``run-tests.sh``, exported Harbor pytest) and both backends; each attempt must score 0 or be
+flagged ``tampered`` / ``verifier_sabotaged``, while the pre-hardening verifier (the positive control) is fooled by
+the attacks the issue reported. Then: the honest oracle still scores 1, sabotage and verifier errors, the pipeline's
+and ``tasks check``'s accounting, declared services, and the pristine toolchain itself.
+"""
+
+import asyncio
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import integrity_attacks as ia
+import pytest
+from conftest import need
+
+from jaxrl_term.reward import tamper
+from jaxrl_term.reward.verifier import verify
+from jaxrl_term.sandbox import toolchain
+from jaxrl_term.tasks.builtin import generate
+from jaxrl_term.tasks.check import check_task, run_oracle
+from jaxrl_term.tasks.env import open_task_sandbox
+from jaxrl_term.tasks.task import FileBlob, Solution
+from jaxrl_term.tasks.task import Tests as TaskTests
+
+RUNNERS = ["built-in pytest", "Harbor test.sh", "TB1 run-tests.sh", "exported Harbor pytest"]
+# Positive control: the attacks that fooled the verifier as it was before this hardening (scored 1.0 with no work),
+# measured per runner and backend. On the local backend the system is read-only to the agent; races through the
+# writable /tests, /logs and work dir worked there.
+_WRAPPERS = {"python3 wrapper on PATH", "timeout wrapper on PATH", "replaced /usr/bin/python3", "sitecustomize.py",
+             ".pth in system site", ".pth in user site", "LD_PRELOAD via /etc/ld.so.preload"}
+_PYTEST = {"edited pytest package", "shadowing pluggy in an earlier site dir", "poisoned stdlib bytecode",
+           "mkdir wrapper (the sandbox's file API runs it)", "background process rewrites the JUnit XML",
+           "background process plants /tests/conftest.py"}
+_CWD = {"/app/pytest.py", "stdlib module shadowed in the work dir"}
+FOOLED_BEFORE = {
+    ("built-in pytest", "docker"): _WRAPPERS | _PYTEST,
+    ("Harbor test.sh", "docker"): _WRAPPERS | {"bash wrapper on PATH", "NSS module via /etc/nsswitch.conf",
+                                               "background process writes the reward file"},
+    ("TB1 run-tests.sh", "docker"): _WRAPPERS | _PYTEST | _CWD | {"bash wrapper on PATH", "/conftest.py + /pytest.ini",
+                                                                  "NSS module via /etc/nsswitch.conf"},
+    ("exported Harbor pytest", "docker"): _WRAPPERS | _PYTEST | _CWD | {
+        "bash wrapper on PATH", "/conftest.py + /pytest.ini", "NSS module via /etc/nsswitch.conf",
+        "background process writes the reward file"},
+    ("built-in pytest", "local"): {"background process rewrites the JUnit XML",
+                                   "background process plants /tests/conftest.py"},
+    ("Harbor test.sh", "local"): set(),
+    ("TB1 run-tests.sh", "local"): _CWD | {"background process rewrites the JUnit XML",
+                                           "background process plants /tests/conftest.py"},
+    ("exported Harbor pytest", "local"): _CWD | {"background process rewrites the JUnit XML",
+                                                 "background process plants /tests/conftest.py",
+                                                 "background process writes the reward file"},
+}
+# On the local backend the agent is an unprivileged uid and the system is read-only: these steps are refused.
+REFUSED_LOCALLY = {"python3 wrapper on PATH", "timeout wrapper on PATH", "bash wrapper on PATH", "fake pytest on PATH",
+                   "replaced /usr/bin/python3", "sitecustomize.py", ".pth in system site", "edited pytest package",
+                   "shadowing pluggy in an earlier site dir", "poisoned stdlib bytecode", "/conftest.py + /pytest.ini",
+                   "LD_PRELOAD via /etc/ld.so.preload", "replaced libc symlink", "ld.so.cache redirect (ldconfig DIR)",
+                   "mkdir wrapper (the sandbox's file API runs it)", "NSS module via /etc/nsswitch.conf",
+                   "deleted python3", "deleted timeout", "deleted pytest package"}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    return ia.runner_tasks(tmp_path_factory.mktemp("runners"))
+
+
+@pytest.fixture(scope="module")
+def evil_so():
+    need(shutil.which("gcc") is not None, "gcc (to build the LD_PRELOAD attack's library)")
+    return ia.evil_so()
+
+
+@pytest.fixture(scope="module")
+def builder():
+    from jaxrl_term.sandbox.images import ImageBuilder
+
+    return ImageBuilder()
+
+
+def _backend_builder(backend, builder):
+    return builder if backend == "docker" else None
+
+
+# ------------------------------------------------------------------------------------------ the attack suite
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_every_attack_scores_0_or_is_flagged_and_the_naive_verifier_was_fooled(backend, runner, tasks, evil_so,
+                                                                                builder):
+    task = tasks[runner]
+
+    async def go():
+        sem = asyncio.Semaphore(4 if backend == "docker" else 6)
+
+        async def one(attack):
+            async with sem:
+                return await ia.attempt(task, runner, attack, backend, _backend_builder(backend, builder), evil_so)
+
+        return await asyncio.gather(*(one(a) for a in ia.ATTACKS))
+
+    attempts = run(go())
+    nop = next(a for a in attempts if a.cls == "control")
+    assert (nop.naive, nop.outcome, nop.score) == (0.0, "scored", 0.0), nop  # no false alarm on a clean sandbox
+    bad = [(a.attack, a.outcome, a.score, a.error[:300]) for a in attempts if not a.defended]
+    assert not bad, bad
+    assert not [a for a in attempts if a.outcome == "verifier_error"]
+    fooled = {a.attack for a in attempts if a.naive == 1.0}
+    assert FOOLED_BEFORE[runner, backend] <= fooled, FOOLED_BEFORE[runner, backend] - fooled  # the attacks are real
+    refused = {a.attack for a in attempts if not a.applied}
+    if backend == "docker":
+        assert not refused  # root in the container: every tampering step lands
+    else:
+        assert refused <= REFUSED_LOCALLY | {"work dir replaced by a dangling link"}, refused - REFUSED_LOCALLY
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_honest_oracle_still_scores_1_on_the_pristine_toolchain(backend, runner, tasks, builder):
+    task = tasks[runner]
+
+    async def go():
+        async with open_task_sandbox(task, backend=backend, builder=_backend_builder(backend, builder)) as sb:
+            await run_oracle(task, sb)
+            return await verify(task, sb)
+
+    res = run(go())
+    assert (res.outcome, res.score, res.tamper) == ("scored", 1.0, ()), res.error
+    assert res.toolchain == "pristine"
+
+
+def test_tests_that_import_the_agents_code_are_not_protected(docker_client):
+    """Documented limit (README): code the tests import runs inside the test process, and can rewrite pytest's
+    verdicts from there. Here ``python_function``'s tests import /app/solution.py."""
+    task = generate("python_function", "easy", seed=0)
+    cheat = ("import gc, pytest\n"
+             "class _Pass:\n"
+             "    @pytest.hookimpl(hookwrapper=True)\n"
+             "    def pytest_runtest_makereport(self, item, call):\n"
+             "        rep = (yield).get_result()\n"
+             "        rep.outcome, rep.longrepr = 'passed', None\n"
+             "for o in gc.get_objects():\n"
+             "    if type(o).__name__ == 'Config' and hasattr(o, 'pluginmanager'):\n"
+             "        o.pluginmanager.register(_Pass())\n"
+             "        break\n")
+
+    async def go():
+        async with open_task_sandbox(task) as sb:
+            await sb.write_file("/app/solution.py", cheat.encode())
+            return await verify(task, sb)
+
+    res = run(go())
+    assert res.outcome == "scored" and res.score == 1.0  # not protected, and said so in the README
+
+
+# ----------------------------------------------------------------------------------- sabotage and errors
+
+
+def test_breaking_the_verifier_scores_0_as_verifier_sabotaged(backend, tasks):
+    task = tasks["Harbor test.sh"]  # its test.sh reads /app/data.json; without it no reward file is written
+
+    async def go():
+        async with open_task_sandbox(task, backend=backend) as sb:
+            await sb.run("rm -f /app/data.json", 10)
+            return await verify(task, sb)
+
+    res = run(go())
+    assert res.outcome == "verifier_sabotaged" and res.score == 0.0 and res.ok
+    assert "works on a fresh sandbox" in res.error
+
+
+def test_a_verifier_that_fails_on_a_fresh_sandbox_too_is_a_verifier_error(docker_client):
+    task = dataclasses.replace(generate("create_file", "easy"),
+                               tests=TaskTests("pytest", {"test_outputs.py": FileBlob.text("# no tests\n")},
+                                           "test_outputs.py"))
+
+    async def go():
+        async with open_task_sandbox(task) as sb:
+            return await verify(task, sb)
+
+    res = run(go())
+    assert res.outcome == "verifier_error" and res.score is None and "fresh sandbox of the task too" in res.error
+
+
+def test_check_reports_a_cheating_oracle_as_broken(docker_client):
+    task = generate("csv_stats", "medium", seed=11)
+    cheat = Solution({"solve.sh": FileBlob(b"echo /tmp/x.so > /etc/ld.so.preload\n", 0o755)}, "solve.sh")
+    res = run(check_task(dataclasses.replace(task, solution=cheat), "oracle"))
+    assert res.broken and res.outcome == "tampered" and "ld.so.preload" in res.reason
+
+
+def test_pipeline_scores_tampered_and_sabotaged_0_counts_them_and_never_retries(docker_client, tiny_tokenizer_dir,
+                                                                               tasks):
+    from jaxrl_term.agent.actions import SENTINEL, BashScaffold
+    from jaxrl_term.agent.loop import AgentLimits
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.rollout.engine import Generation, SamplingParams
+    from jaxrl_term.rollout.pipeline import RolloutPipeline
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    task = tasks["Harbor test.sh"]
+    # episode 1 tampers with the toolchain, episode 2 breaks the verifier; neither does the task
+    plans = [[("```bash\nprintf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /usr/local/bin/python3; "
+              "chmod +x /usr/local/bin/python3\n```")], ["```bash\nrm -f /app/data.json\n```"]]
+
+    class Engine:
+        def __init__(self):
+            self.sessions: dict = {}
+
+        async def generate(self, ids, sampling, *, session=None):
+            plan = self.sessions.setdefault(session, [*plans[len(self.sessions) % 2], f"```bash\necho {SENTINEL}\n```"])
+            out = tok(plan.pop(0) if len(plan) > 1 else plan[0], add_special_tokens=False)["input_ids"] + [eos]
+            return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
+
+    async def judge_everything_is_great(task, traj, result):
+        return 1.0, {"judge": 1.0}
+
+    async def main():
+        pipe = RolloutPipeline([task], engine=Engine(), tokenizer=tok, scaffold_factory=BashScaffold, group_size=2,
+                               groups_per_step=1, sampling=SamplingParams(max_new_tokens=64),
+                               limits=AgentLimits(max_turns=3, max_context_tokens=4096), backend="docker",
+                               drop_zero_variance=False, reward_fn=judge_everything_is_great)
+        pipe.start()
+        try:
+            batch = await asyncio.wait_for(pipe.get_batch(0), 300)
+        finally:
+            await pipe.stop()
+        return batch, pipe.take_counters()
+
+    batch, counters = run(main())
+    outcomes = sorted(t.reward_parts["outcome"] for t in batch[0].trajectories)
+    assert outcomes == ["tampered", "verifier_sabotaged"] and batch[0].rewards == [0.0, 0.0]
+    assert counters.get("pipeline/tampered") == 1 and counters.get("pipeline/verifier_sabotaged") == 1
+    assert not counters.get("pipeline/retry_verifier_error") and counters["pipeline/episodes"] == 2
+
+
+# ------------------------------------------------------------------------------------------------ services
+
+
+def test_declared_services_are_started_again_after_the_agents_processes_are_killed(docker_client):
+    base = generate("create_file", "easy", seed=5)
+    test = ("import time, urllib.request\n\ndef test_served():\n    for _ in range(50):\n        try:\n"
+            "            body = urllib.request.urlopen('http://127.0.0.1:8765/index.html', timeout=1).read()\n"
+            "            break\n        except OSError:\n            time.sleep(0.1)\n"
+            "    assert body == b'hello\\n'\n")
+    task = dataclasses.replace(base, tests=TaskTests("pytest", {"test_outputs.py": FileBlob.text(test)}, "test_outputs.py"),
+                               services=("python3 -m http.server 8765 --directory /app >/dev/null 2>&1 &",))
+    fake = "mkdir -p /tmp/fake && echo hello > /tmp/fake/index.html && (setsid python3 -m http.server 8765 " \
+           "--directory /tmp/fake >/dev/null 2>&1 &) && sleep 1"
+
+    async def go():
+        async with open_task_sandbox(task) as sb:
+            await sb.run(fake, 20)  # no work: a server of its own that would pass the test
+            cheat = await verify(task, sb)
+            await sb.run("echo hello > /app/index.html", 10)  # the work
+            honest = await verify(task, sb)
+            return cheat, honest
+
+    cheat, honest = run(go())
+    assert (cheat.outcome, cheat.score) == ("scored", 0.0)
+    assert (honest.outcome, honest.score) == ("scored", 1.0)
+
+
+# ----------------------------------------------------------------------------------------- the toolchain
+
+
+def test_the_verifiers_python_maps_and_imports_nothing_from_the_agents_filesystem(docker_client):
+    task = generate("csv_stats", "medium", seed=11)
+    # the runner's start-up: the pristine pytest (``tc.pre``) after the interpreter's own path
+    probe = ("import json, sys\nsys.path[1:1] = json.loads(sys.argv[1])\n"
+             "import pytest, ctypes, sqlite3, ssl, xml.etree.ElementTree\n"
+             "maps = [l.split(None, 5)[5] for l in open('/proc/self/maps').read().splitlines() if len(l.split()) > 5]\n"
+             "print(json.dumps({'maps': sorted(set(maps)), 'files': sorted({getattr(m, '__file__', None) or '' "
+             "for m in list(sys.modules.values())})}))\n")
+
+    async def go():
+        async with open_task_sandbox(task) as sb:
+            tc = await toolchain.for_sandbox(sb)
+            out = await sb.exec([*tc.argv, "-c", probe, json.dumps(list(tc.pre))], 60,
+                                 env={"PATH": tc.exec_path(), "LANG": "C.UTF-8", **toolchain.START_ENV})
+            return tc, out
+
+    tc, out = run(go())
+    assert tc.pristine and tc.tbin and tc.argv[0] == f"{toolchain.MOUNT}/so/ld.so"
+    data = json.loads(out.output.strip().splitlines()[-1])
+    outside = [m for m in data["maps"] if m.startswith("/") and not m.startswith(toolchain.MOUNT + "/")]
+    assert not outside, outside  # loader, libc, python, extension modules and their libraries: all from the volume
+    assert all(f.startswith(toolchain.MOUNT + "/") for f in data["files"] if f), data["files"]
+
+
+def test_the_pristine_copy_scores_an_honest_run_with_the_images_python_broken(docker_client):
+    task = generate("csv_stats", "medium", seed=11)
+
+    async def go():
+        async with open_task_sandbox(task) as sb:
+            await run_oracle(task, sb)
+            await sb.run(": > /usr/bin/python3.13; echo 'raise SystemExit(3)' > /usr/lib/python3.13/json/__init__.py",
+                         10)
+            return await verify(task, sb)
+
+    res = run(go())
+    assert (res.outcome, res.score, res.toolchain) == ("scored", 1.0, "pristine")
+
+
+def test_an_image_without_python3_falls_back_with_a_reason(docker_client):
+    from jaxrl_term.sandbox.images import ImageBuilder
+
+    async def go():
+        image = await ImageBuilder().ensure("FROM jaxrl-term/base:trixie\nRUN rm -f /usr/bin/python3 /usr/bin/python3.*\n",
+                                            {})
+        return await toolchain.for_image(image)
+
+    tc = run(go())
+    assert not tc.pristine and tc.reason == "no python3 in the image" and tc.tbin
+
+
+def test_a_sandbox_opened_without_the_volume_says_which_python_ran_the_tests(docker_client):
+    from jaxrl_term.sandbox.base import open_sandbox
+    from jaxrl_term.sandbox.images import ImageBuilder
+    from jaxrl_term.tasks.env import image_for
+
+    task = generate("csv_stats", "medium", seed=11)
+
+    async def go():
+        image = await image_for(task, ImageBuilder())
+        async with open_sandbox("docker", image, workdir="/app") as sb:
+            await run_oracle(task, sb)
+            return await verify(task, sb)
+
+    res = run(go())
+    assert (res.outcome, res.score) == ("scored", 1.0)
+    assert res.toolchain.startswith("image python") and "toolchain volume" in res.toolchain
+
+
+# ------------------------------------------------------------------------------------------- tamper rules
+
+
+FACTS = {"path_dirs": ["/usr/local/bin", "/usr/bin"], "site_dirs": ["/usr/local/lib/python3.13/dist-packages",
+                                                                    "/usr/lib/python3/dist-packages"],
+         "site_names": {"/usr/local/lib/python3.13/dist-packages": [],
+                        "/usr/lib/python3/dist-packages": ["pytest", "_pytest", "pluggy", "yaml"]},
+         "stdlib": ["/usr/lib/python3.13", "/usr/lib/python3.13/lib-dynload"], "executable": "/usr/bin/python3.13",
+         "toolchain_files": ["/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"],
+         "startup_modules": ["os", "argparse", "pytest", "json"], "initial_modules": ["os"]}
+
+
+def test_tamper_rules_flag_what_the_runner_executes_and_leave_honest_work_alone():
+    honest = [("A", "/app/solution.py"), ("A", "/app/out.csv"), ("C", "/app"), ("A", "/usr/local/bin/mytool"),
+              ("A", "/usr/local/lib/python3.13/dist-packages/requests"), ("A", "/tmp/x/sitecustomize.py"),
+              ("A", "/usr/lib/python3.13/__pycache__/argparse.cpython-313.pyc"), ("A", "/app/os.py"),
+              ("C", "/etc/hosts"), ("A", "/root/.bash_history")]
+    for level in tamper.LEVELS:
+        assert tamper.findings(honest, FACTS, level=level, workdir="/app", commands={"curl"}) == [], level
+    cases = {  # change -> the lowest level that flags it
+        ("A", "/etc/ld.so.preload"): "pristine", ("C", "/etc/nsswitch.conf"): "pristine",
+        ("A", "/usr/local/bin/mkdir"): "pristine", ("C", "/usr/lib/python3/dist-packages/yaml/__init__.py"): "pristine",
+        ("A", "/usr/local/lib/python3.13/dist-packages/pluggy"): "pristine",
+        ("A", "/usr/local/bin/python3"): "image", ("D", "/usr/bin/timeout"): "image",
+        ("C", "/usr/lib/python3.13/json/__init__.py"): "image", ("C", "/usr/lib/x86_64-linux-gnu/libc.so.6"): "image",
+        ("A", "/usr/local/bin/curl"): "script", ("A", "/pytest.ini"): "script", ("A", "/app/argparse.py"): "script",
+        ("A", "/app/pytest.py"): "script", ("A", "/etc/ld.so.conf.d/evil.conf"): "script",
+        ("C", "/etc/python3.13/sitecustomize.py"): "script", ("A", "/root/.local/bin/uvx"): "script",
+    }
+    for change, lowest in cases.items():
+        for level in tamper.LEVELS:
+            flagged = bool(tamper.findings([change], FACTS, level=level, workdir="/app", commands={"curl"}))
+            assert flagged == (tamper.LEVELS.index(level) >= tamper.LEVELS.index(lowest)), (change, level)
+    assert tamper.findings([("A", "/usr/local/bin/timeout")], FACTS, level="pristine", workdir="/app", tbin=False)
+    assert tamper.pth_findings({"/x/a.pth": b"/opt/lib\n", "/x/b.pth": b"import evil\n"}) == [
+        "A /x/b.pth: a .pth file that runs code at every python start-up"]
+
+
+def test_script_commands_are_the_commands_a_test_script_runs():
+    sh = ("#!/bin/bash\n# install and run\ncd /app\napt-get install -y curl && curl -LsSf x | sh\n"
+          "PYTEST_ADDOPTS=-q uvx pytest /tests -rA | tee log\nif [ -f x ]; then /usr/bin/python3 - <<'EOF'\n"
+          "import json\nEOF\nfi\n")
+    assert tamper.script_commands([sh]) == {"apt-get", "curl", "sh", "uvx", "tee", "python3"}
+
+
+def test_ld_so_cache_redirects_are_found_in_the_hosts_real_cache():
+    data = Path("/etc/ld.so.cache").read_bytes() if Path("/etc/ld.so.cache").is_file() else None
+    need(data is not None, "no /etc/ld.so.cache on this host")
+    parsed = tamper.parse_ldcache(data)
+    libc = next(p for p in parsed["libc.so.6"])
+    import base64
+
+    facts = {"ldcache": base64.b64encode(data).decode()}
+    assert tamper.ldcache_redirects(data, facts) == []
+    assert tamper.ldcache_redirects(data, {"libs": {"libc.so.6": "/elsewhere/libc.so.6"}}) == [
+        f"C /etc/ld.so.cache: libc.so.6 now resolves to [{libc!r}]"]
+    assert tamper.ldcache_redirects(b"garbage", facts)[0].startswith("C /etc/ld.so.cache: unreadable")
+
+
+def test_runner_results_are_read_only_with_the_nonce():
+    from jaxrl_term.reward.verifier import _tagged
+
+    out = "noise\nfake RESULT abc\n\nn0nce RESULT payload\nmore"
+    assert _tagged(out, "n0nce") == ("RESULT", "payload", "noise\nfake RESULT abc\n\nmore")
+    assert _tagged("n0ncex RESULT forged", "n0nce")[0] is None
+
