@@ -210,8 +210,12 @@ class JudgeEndpointCfg:
     api_key_env: Optional[str] = None
     timeout_s: float = 60.0
     max_concurrency: int = 4
-    max_tokens: int = 512
+    max_tokens: int = 4096  # room for judges that reason before the JSON
     temperature: float = 0.0
+    context_tokens: int = 32768  # the judge model's context: the transcript is rendered for what is left
+    bytes_per_token: float = 3.0  # the prompt's size estimate
+    usd_per_mtok_in: float = 0.0  # prices for judge/cost_usd
+    usd_per_mtok_out: float = 0.0
 
 
 @dataclasses.dataclass
@@ -224,6 +228,10 @@ class JudgeCfg:
     cache_size: int = 10000
     max_transcript_chars: int = 24000
     max_wait_s: float = 600.0
+    retries: int = 1  # per endpoint, for infrastructure failures (Retry-After honoured up to max_retry_after_s)
+    max_retry_after_s: float = 30.0
+    shrink: float = 0.4  # a trajectory that breaks the judge is asked again at this fraction of the budget
+    poll_s: float = 10.0  # on_judge_missing=wait: how often the stored group is judged again
 
 
 @dataclasses.dataclass
@@ -246,8 +254,10 @@ class RewardCfg:
             judge = JudgeClient(endpoints_from_config([dataclasses.asdict(e) for e in j.endpoints]),
                                 failure_threshold=j.failure_threshold, cooldown_s=j.cooldown_s, rounds=j.rounds,
                                 backoff_s=j.backoff_s, cache_size=j.cache_size,
-                                max_transcript_chars=j.max_transcript_chars)
-        return RewardMixer(self.tests_weight, self.judge_weight, judge, self.on_judge_missing, self.judge.max_wait_s)
+                                max_transcript_chars=j.max_transcript_chars, retries=j.retries,
+                                max_retry_after_s=j.max_retry_after_s, shrink=j.shrink)
+        return RewardMixer(self.tests_weight, self.judge_weight, judge, self.on_judge_missing, self.judge.max_wait_s,
+                           self.judge.poll_s)
 
 
 @dataclasses.dataclass

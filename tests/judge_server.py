@@ -10,7 +10,8 @@ the ``modes`` dict) overrides it for that model name:
 - ``rate_limited`` (429, ``Retry-After: 0``), ``retry_after:S`` (429 with ``Retry-After: S``),
   ``retry_after_first:S`` (that once, then ``good``), ``server_error`` (500), ``slow`` (sleeps 5 s),
   ``context`` (a context-length 400 always), ``ctx:N`` (a context-length 400 when the prompt is over N UTF-8
-  bytes), ``garbage`` (never JSON), ``repairable`` (JSON only when asked to repair), ``fail_after:N[:mode]``
+  bytes), ``bad_request`` (a 400 about the request's content), ``no_model`` (a 400 naming an unknown model),
+  ``garbage`` (never JSON), ``repairable`` (JSON only when asked to repair), ``fail_after:N[:mode]``
   (``good`` or ``mode`` for N requests, then 500),
   ``truncated`` (finish_reason length, no JSON), ``scripted`` (answers ``scripts[model]`` in turn).
 Every answer reports ``usage`` (prompt tokens = bytes / 4). ``calls`` counts requests per model, ``times``
@@ -183,6 +184,10 @@ class JudgeServer:
         if mode == "context" or (mode == "ctx" and len(prompt.encode()) > int(arg)):
             return self.error(400, f"This model's maximum context length is 8192 tokens; the prompt has "
                                    f"{len(prompt.encode()) // 3} tokens.")
+        if mode == "bad_request":
+            return self.error(400, "Invalid request: messages[1].content could not be processed.")
+        if mode == "no_model":
+            return self.error(400, f"{model} is not a valid model ID")
         if mode == "garbage" or (mode == "repairable" and not repairing):
             return self.answer(model, "The agent did reasonably well overall, I would say fairly good.", prompt)
         if mode == "truncated":

@@ -8,7 +8,9 @@ stop string) each run as one episode through ``run_episode`` on a real sandbox (
 the real Qwen3 tokenizer; the only fake is the scripted engine. A second, fixed reply follows, so that the
 first reply's observation is encoded and appended. Every episode must return (no exception), stay valid
 (model text never makes ``engine_error`` / ``sandbox_error``), pass ``check()``, keep the stream within the
-context, contain no special token in an observation other than the template's own, and serialise to JSON.
+context, contain no special token in an observation other than the template's own, serialise to JSON, and
+no reply may keep the event loop busy (parsing, encoding: time outside the tools and the engine) for more
+than 5 s.
 """
 
 import asyncio
@@ -21,7 +23,7 @@ import time
 import pytest
 
 from conftest import need
-from jaxrl_term.agent.actions import SENTINEL, SUBMIT_MARKER, make_scaffold
+from jaxrl_term.agent.actions import SENTINEL, make_scaffold
 from jaxrl_term.agent.loop import AgentLimits, run_episode
 from jaxrl_term.agent.trajectory import INVALID_ENDS
 from jaxrl_term.model.tokenizer import load_tokenizer
@@ -56,6 +58,7 @@ COMMANDS = [
     "echo " + "a" * 20000, "printf 'COMPLETE_TASK_AND_SUBMIT_%s\\n' FINAL_OUTPUT", "kill -INT $$", "exec 2>&-; echo x",
 ]
 SLOW = {"sleep 3"}
+MAX_BUSY_S = 5.0  # a generous bound (the slowest reply takes well under a second) that a quadratic parser breaks
 
 
 def garbage(rng: random.Random, n: int) -> str:
@@ -266,7 +269,13 @@ class FuzzEngine:
     async def generate(self, input_ids, sampling, *, session=None):
         text, ending = self.replies[self.n], self.endings[self.n]
         self.n += 1
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        # no engine returns more than max_new_tokens: when a prefix of a huge reply already holds twice that many
+        # (with a margin for the cut), the rest could never reach the loop, whatever the ending below; tokenising
+        # megabytes of it would be most of this test's time
+        limit = sampling.max_new_tokens
+        ids = self.tok(text[: 16 * limit], add_special_tokens=False)["input_ids"]
+        if len(ids) < 2 * limit + 64 and len(text) > 16 * limit:
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
         finish = "stop"
         stop = next((i for i, t in enumerate(ids) if t in sampling.stop_token_ids), None)
         if stop is not None:
@@ -329,7 +338,7 @@ def test_no_adversarial_reply_crashes_or_invalidates_an_episode(qwen3, scaffold)
     rng = random.Random(f"fuzz/{scaffold}")
     replies = [reply(rng, scaffold) for _ in range(N_REPLIES)]
     endings = [rng.choices(["im_end", "eot", "length", "stop_string"], [70, 12, 10, 8])[0] for _ in replies]
-    escaped, invalid, bad = [], [], []
+    escaped, invalid, bad, slow = [], [], [], []
     ends: collections.Counter = collections.Counter()
     t0 = time.monotonic()
 
@@ -338,6 +347,7 @@ def test_no_adversarial_reply_crashes_or_invalidates_an_episode(qwen3, scaffold)
         async with open_sandbox(backend, image, workdir="/app") as sb:
             for k, (text, ending) in enumerate(zip(replies, endings)):
                 engine = FuzzEngine(qwen3, [text, FOLLOW_UP], [ending, "im_end"])
+                t1 = time.monotonic()
                 try:
                     traj = await run_episode(TASK, engine, sb, qwen3, make_scaffold(scaffold), limits=LIMITS,
                                              workdir="/app")
@@ -345,6 +355,10 @@ def test_no_adversarial_reply_crashes_or_invalidates_an_episode(qwen3, scaffold)
                     escaped.append((k, f"{type(e).__name__}: {e}"))
                     continue
                 ends[traj.end_reason] += 1
+                # time outside the tools and the engine (parsing, encoding) blocks every episode sharing the loop
+                busy = time.monotonic() - t1 - sum(t.tool_s + t.gen_s for t in traj.turns)
+                if busy > MAX_BUSY_S:
+                    slow.append((k, round(busy, 1), text[:120]))
                 if traj.end_reason in INVALID_ENDS:
                     invalid.append((k, traj.end_reason, traj.error, text[:300]))
                     continue
@@ -362,4 +376,5 @@ def test_no_adversarial_reply_crashes_or_invalidates_an_episode(qwen3, scaffold)
     assert not escaped, f"{len(escaped)} exceptions escaped run_episode, e.g. {escaped[:3]}"
     assert not invalid, f"{len(invalid)} episodes invalid for model text, e.g. {invalid[:3]}"
     assert not bad, f"{len(bad)} trajectories failed their checks, e.g. {bad[:3]}"
+    assert not slow, f"{len(slow)} replies kept the event loop busy for over {MAX_BUSY_S}s, e.g. {slow[:3]}"
     assert len(ends) >= 2  # the replies reach several outcomes (one turn each: finished or not), not one path

@@ -114,6 +114,19 @@ def test_a_trajectory_that_breaks_the_judge_scores_zero_not_missing(server):
     assert stats["reward/judge_zeroed"] == 1 and stats["judge/zeroed"] == 1
 
 
+def test_a_request_rejected_for_its_content_scores_zero_but_a_wrong_model_is_missing(server):
+    case = CASES["no_verification"]
+
+    async def go(c):
+        return [await c.score(case.task, case.trajectory) for _ in range(2)], {k: b.failures for k, b in
+                                                                               c.breakers.items()}
+
+    (rejected, _), breakers = run(judged(client([ep(server, "bad_request")], failure_threshold=1), go))
+    assert rejected.score == 0.0 and rejected.zeroed == "bad_request" and breakers == {"bad_request": 0}
+    (wrong, _), breakers = run(judged(client([ep(server, "no_model")], failure_threshold=5), go))
+    assert wrong.missing and wrong.attempts[0]["outcome"] == "client_error" and breakers == {"no_model": 2}
+
+
 def test_only_infrastructure_failures_are_missing_and_then_for_the_whole_group(server, monkeypatch):
     monkeypatch.delenv("JUDGE_TEST_KEY_UNSET", raising=False)
     down = [ep(server, "rate_limited"), ep(server, "server_error"), ep(server, "good", name="refused", base_url=DOWN),
@@ -236,6 +249,24 @@ def test_a_cancelled_half_open_trial_lets_the_next_request_try(server):
     assert first.missing and after.endpoint == "halfopen" and after.score is not None
 
 
+def test_a_half_open_endpoint_whose_first_answer_is_cached_still_judges_the_whole_group(server):
+    server.modes["ho-cache"] = "good"
+    names = ("good_concise_verified", "no_exploration", "recovers_from_error")
+    task, group = CASES[names[0]].task, [CASES[n].trajectory for n in names]
+
+    async def go(c):
+        await c.score(task, group[0])  # cached from now on
+        server.modes["ho-cache"] = "server_error"
+        assert (await c.score(task, CASES["trial_and_error"].trajectory)).endpoint == "harsh"  # opens the breaker
+        assert c.breakers["ho-cache"].failures == 1
+        await asyncio.sleep(0.25)  # half-open; the group's first answer comes from the cache (no trial request)
+        server.modes["ho-cache"] = "good"
+        return await c.judge_group(task, group)
+
+    g = run(judged(client([ep(server, "ho-cache"), ep(server, "harsh")], failure_threshold=1, cooldown_s=0.2), go))
+    assert g.endpoint == "ho-cache" and g.results[0].cached and [a["outcome"] for a in g.attempts] == ["ok"]
+
+
 def test_retry_after_is_honoured_below_the_breaker_threshold(server):
     server.modes["ra-short"] = "retry_after_first:1"
     server.modes["ra-long"] = "retry_after:60"
@@ -259,6 +290,17 @@ def test_retry_after_is_honoured_below_the_breaker_threshold(server):
     _, _, b, took_b, c2, failures = run(judged(c, go))
     assert b.endpoint == "good" and took_b < 1.5 and failures["ra-long"] == 1  # 60 s is too long: the next judge
     assert c2.endpoint == "good" and c2.attempts[0]["outcome"] == "skipped_unavailable"  # still held, below threshold
+
+
+def test_retry_after_is_read_as_seconds_or_as_an_http_date():
+    import email.utils
+
+    from jaxrl_term.reward.judge_breaker import retry_after_s
+
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert retry_after_s("7") == 7.0 and retry_after_s("-3") == 0.0 and 28 <= retry_after_s(later) <= 30
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and retry_after_s("soon") is None
+    assert retry_after_s(None) is None
 
 
 def test_the_chain_falls_back_in_order_and_recovers_after_the_cool_down(server):
@@ -319,6 +361,18 @@ TRAPS = [  # (answer, the score it must give, or None: rejected)
     ('Summary: the score is 0.6.\n{"score": 0.6, "reasoning": "consistent"}', 0.6),
     ('The score of this run is low.\n{"score": 0.25, "reasoning": "x"}', 0.25),
     ('{' * 20000 + '\n{"score": 0.5}', 0.5),
+    # a score nested in the final object, a case-variant key beside it, a rating out of 10 in prose
+    ('{"score": 0.2, "breakdown": {"process": 0.2, "score": 1.0}}', None),
+    ('{"score": 0.2, "reasoning": "x", "SCORE": 0.9}', None),
+    ('{"score": 0.2, "parts": [{"name": "planning", "score": 0.2}]}', 0.2),
+    ('Final score: 10/10\n{"score": 1.0}', None),
+    ('<THINK>{"score": 1}</THINK>{"score": 0.1}', 0.1),
+    ('{"score": 0.35}\n\nscore: 0.35', 0.35),
+    ('{"score": 0.3, "reasoning": "done"}<think>{"score": 1.0} is what the agent wanted', 0.3),
+    # brackets the policy could make a judge echo: rejected fast, not parsed in quadratic time
+    ('[' * 100_000 + '{"score": 1.0}', None),
+    (('[' * 990 + 'x') * 200 + '{"score": 1.0}', None),
+    (('[1,' * 990 + 'x') * 60 + '{"score": 1.0}', None),
 ]
 
 
@@ -482,3 +536,61 @@ def test_judge_eval_ranks_the_constant_and_the_random_judges_last(server, tmp_pa
     cfg.write_text(f"judge:\n  endpoints:\n    - {{name: down, base_url: '{DOWN}', model: good}}\n")
     assert judge_eval_main(["--judges", str(cfg), "--attempts", "1", "--out", str(tmp_path / "none")]) == 1
     assert json.loads((tmp_path / "none" / "results.json").read_text())["unscored"][0]["judge"] == "down"
+
+
+# ------------------------------------------------------------------------------------ the rollout pipeline
+
+
+@dataclasses.dataclass
+class Verified:  # a verifier result as the pipeline reads it
+    score: float
+    outcome: str = "scored"
+    passed: dict = dataclasses.field(default_factory=dict)
+
+
+def test_the_pipeline_judges_each_group_once_outside_the_episode_slots_and_drops_a_missing_group(server):
+    from jaxrl_term.rollout.pipeline import RolloutPipeline
+
+    names = ("good_full_process", "no_verification", "edits_the_tests")
+    task = CASES[names[0]].task
+
+    async def go(chain, on_missing, max_wait_s=0.0):
+        pipe = RolloutPipeline([task], engine=None, tokenizer=None, scaffold_factory=None, group_size=3,
+                               groups_per_step=1, sampling=None, limits=None, max_concurrent_episodes=2)
+        episodes = []
+
+        async def attempt(task, seq, k, attempt):
+            episodes.append(k)
+            traj = CASES[names[k]].trajectory
+            turns = [dataclasses.replace(t, weight_version=0) for t in traj.turns]
+            return dataclasses.replace(traj, turns=turns, meta={}), Verified([1.0, 1.0, 0.0][k])
+
+        pipe._attempt = attempt
+        c = client(chain, failure_threshold=10)
+        group_calls = []
+        judge_group = c.judge_group
+
+        async def spy(task, trajectories, deadline=None):
+            group_calls.append((len(trajectories), pipe._active))  # no episode slot held while judging
+            return await judge_group(task, trajectories, deadline)
+
+        c.judge_group = spy
+        pipe.reward_fn = RewardMixer(0.65, 0.35, c, on_missing=on_missing, max_wait_s=max_wait_s, poll_s=0.1)
+        try:
+            await pipe._run_group(0)
+        finally:
+            await c.aclose()
+        return pipe._results[0], group_calls, episodes, pipe.take_counters()
+
+    server.calls["pipe-lenient"] = 0
+    server.modes["pipe-lenient"] = "fail_after:2:lenient"
+    g, calls, episodes, _ = run(go([ep(server, "pipe-lenient"), ep(server, "harsh")], "renormalize"))
+    assert calls == [(3, 0)] and sorted(episodes) == [0, 1, 2]
+    assert {t.reward_parts["judge_endpoint"] for t in g.trajectories} == {"harsh"}  # one judge for the group
+    assert g.rewards[0] > g.rewards[1] > g.rewards[2] and g.error is None
+    down = [ep(server, "server_error")]
+    g, calls, episodes, _ = run(go(down, "renormalize"))
+    assert g.rewards == pytest.approx([1.0, 1.0, 0.0]) and all(t.reward_parts["judge_missing"] for t in g.trajectories)
+    g, calls, episodes, counters = run(go(down, "wait", max_wait_s=0.3))
+    assert g.error and g.rewards == [] and counters["pipeline/groups_reward_missing"] == 1
+    assert sorted(episodes) == [0, 1, 2] and len(calls) >= 2  # judged again; no episode was run again

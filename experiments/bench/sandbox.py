@@ -6,7 +6,7 @@ through the same docker SDK, ``exec_run``; and through the CLI). Measured:
 1. command round trip on a warm sandbox (``echo hi``), p50 / p99;
 2. container create -> ready -> remove: ``open_sandbox`` (container + shell ready + first command + remove)
    vs a bare ``docker run --rm --network none IMAGE true``;
-3. N = 1, 8, 32 sandboxes running 20 commands each concurrently: wall time, commands/s, failures.
+3. N = 1, 8, 16, 32 sandboxes running 20 commands each concurrently: wall time, commands/s, failures.
 
     .venv/bin/python experiments/bench/sandbox.py [--image jaxrl-term/base:trixie] [--repeats 200]
 """
@@ -130,7 +130,7 @@ async def main(args):
         "| throughput ratio ours/exec |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for n in (1, 8, 32):
+    for n in (1, 8, 16, 32):
         runs = {"ours": [], "exec": []}
         fails = {"ours": 0, "exec": 0}
         for _ in range(args.concurrency_repeats):

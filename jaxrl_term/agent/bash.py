@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, load_prompt
+from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts, load_prompt
 from jaxrl_term.agent.text import head_tail, split_thinking
 from jaxrl_term.agent.tools import ToolResult
 
@@ -84,5 +84,5 @@ class BashScaffold(Scaffold):
         if r.exit_code is None and not r.ok and r.output is None:  # the call itself was refused
             return [{"role": "user", "content": f"Format error: {r.text}"}]
         note = "\n<note>the command timed out and was interrupted</note>" if r.timed_out else ""
-        return [{"role": "user", "content": f"<returncode>{r.exit_code}</returncode>{note}\n<output>\n"
-                 f"{head_tail(r.text, self.max_observation_chars)}</output>"}]
+        return [from_parts("user", [(f"<returncode>{r.exit_code}</returncode>{note}\n<output>\n", False),
+                                    (head_tail(r.text, self.max_observation_chars), True), ("</output>", False)])]

@@ -5,12 +5,14 @@ appends its output ids verbatim (loss mask 1, their log-probs kept); the observa
 template's delta for the new turn(s) plus the generation prompt (loss mask 0), its contents as plain text (a
 ``<|im_end|>`` printed by a command is text, not the end of a turn). The policy's own tokens are never decoded
 and re-encoded into the stream. A reply stopped by another stop token than ``<|im_end|>`` (``<|endoftext|>``)
-or cut at the length limit is closed with ``<|im_end|>`` as the template closes every assistant turn.
+or cut at the length limit is closed with ``<|im_end|>`` as the template closes every assistant turn (by the
+next observation's delta, or alone when the episode ends on it).
 
 Every reply becomes actions or scored parse errors; only the infrastructure (engine, sandbox) can make an
 episode invalid. The turn is recorded before its tools run. Each observation gets a token budget: at most
 ``max_observation_tokens``, and no more than leaves room for the next reply; longer contents keep their
-beginning and end with a note. No JAX here.
+beginning and end with a note (each result on its own: a scaffold marks which parts of a message are
+results, so wrappers and exit codes survive the cut). No JAX here.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import uuid
 
 from jaxrl_term.agent.chat import EOS_TEXT, ChatDelta
-from jaxrl_term.agent.scaffold import Parsed, Scaffold
+from jaxrl_term.agent.scaffold import PARTS, Parsed, Scaffold
 from jaxrl_term.agent.text import clean, clean_value
 from jaxrl_term.agent.tools import ToolBox
 from jaxrl_term.agent.trajectory import Trajectory, TurnRecord
@@ -55,36 +57,47 @@ class AgentLimits:
 
 def fit_observation(delta: ChatDelta, messages: list[dict], closed: bool, budget: int
                     ) -> tuple[list[dict], list[int]] | None:
-    """``messages`` whose delta fits in ``budget`` tokens, and the delta: the longest contents are cut to
-    their first and last tokens (with a note) until it fits, the shorter ones kept whole; None if even empty
-    contents do not fit."""
-    ids = delta.observation_ids(messages, closed)
+    """``messages`` (contents made encodable) whose delta fits in ``budget`` tokens, and the delta.
+
+    A message may give its content as ``parts`` ((text, cuttable) pairs, see :data:`PARTS`); otherwise the whole
+    content is one cuttable part. When the delta is too long, the longest cuttable parts are cut to their first
+    and last tokens with a note between them, the shorter ones kept whole, and the fixed parts (a result's
+    wrapper, its exit code) kept as they are. None if even that does not fit."""
+    parts = [[(clean(t), cut) for t, cut in (m.get(PARTS) or [(m["content"], True)])] for m in messages]
+
+    def build(ps: list[list[tuple[str, bool]]]) -> list[dict]:
+        return [{**{k: v for k, v in m.items() if k != PARTS}, "content": "".join(t for t, _ in p)}
+                for m, p in zip(messages, ps)]
+
+    whole = build(parts)
+    ids = delta.observation_ids(whole, closed)
     if len(ids) <= budget:
-        return messages, ids
-    lengths = [delta.encode_plain(m["content"]) for m in messages]
-    overhead = len(ids) - sum(map(len, lengths))
+        return whole, ids
+    where = [(i, j) for i, p in enumerate(parts) for j, (t, cut) in enumerate(p) if cut and t]
+    toks = [delta.encode_plain(parts[i][j][0]) for i, j in where]
     note = len(delta.encode_plain(TRUNCATION_NOTE.format(n=10**6)))
-    available = budget - overhead - note * len(messages)
+    available = budget - (len(ids) - sum(map(len, toks))) - note * len(where)
     for _ in range(4):
         if available < 0:
             break
-        shares = _water_fill([len(x) for x in lengths], available)
-        cut = []
-        for m, toks, share in zip(messages, lengths, shares):
-            if len(toks) <= share:
-                cut.append(m)
-                continue
-            head, tail = share // 2, share - share // 2
-            text = delta.decode(toks[:head]) + TRUNCATION_NOTE.format(n=len(toks) - share) + \
-                (delta.decode(toks[len(toks) - tail:]) if tail else "")
-            cut.append({**m, "content": clean(text)})
-        ids = delta.observation_ids(cut, closed)
+        cut = [list(p) for p in parts]
+        for (i, j), t, share in zip(where, toks, _water_fill([len(t) for t in toks], available)):
+            if len(t) > share:
+                head, tail = share // 2, share - share // 2
+                text = delta.decode(t[:head]) + TRUNCATION_NOTE.format(n=len(t) - share) + \
+                    (delta.decode(t[len(t) - tail:]) if tail else "")
+                cut[i][j] = (clean(text), True)
+        ids = delta.observation_ids(fitted := build(cut), closed)
         if len(ids) <= budget:
-            return cut, ids
+            return fitted, ids
         available -= len(ids) - budget + 8  # decoding and re-encoding at the cuts shifted a few tokens
-    empty = [{**m, "content": "[output omitted: no room left in the context]"} for m in messages]
-    ids = delta.observation_ids(empty, closed)
-    return (empty, ids) if len(ids) <= budget else None
+    omitted = "[output omitted: no room left in the context]"
+    for fallback in (build([[(omitted if cut else t, cut) for t, cut in p] for p in parts]),
+                     [{**m, "content": omitted} for m in whole]):
+        ids = delta.observation_ids(fallback, closed)
+        if len(ids) <= budget:
+            return fallback, ids
+    return None
 
 
 def _water_fill(lengths: list[int], total: int) -> list[int]:
@@ -124,6 +137,14 @@ async def run_episode(
     traj = Trajectory(task.id, scaffold.name, ids, mask, logprobs, len(ids), messages, [], "max_turns")
 
     def end(reason: str, error: str | None = None) -> Trajectory:
+        last = traj.turns[-1] if traj.turns else None
+        if last is not None and last.n_observation == 0 and last.start + last.n_output == len(ids) and \
+                ids[-1] != delta.eos_id:
+            # the episode ends on a reply stopped by <|endoftext|> or cut: close it as the template does (not
+            # the policy's token), so the stream is a whole conversation
+            ids.append(delta.eos_id)
+            mask.append(0)
+            logprobs.append(0.0)
         traj.end_reason, traj.error, traj.duration_s = reason, error, time.monotonic() - t_start
         return traj
 
@@ -197,8 +218,7 @@ async def run_episode(
             return end("max_turns")  # nothing would read an observation
         if time.monotonic() >= deadline:
             return end("timeout")
-        obs = [{**m, "content": clean(m["content"])} for m in scaffold.observation_messages(parsed, results)]
-        fitted = fit_observation(delta, obs, closed,
+        fitted = fit_observation(delta, scaffold.observation_messages(parsed, results), closed,
                                  limits.observation_budget(limits.max_context_tokens - len(ids)))
         if fitted is None:
             return end("context_full", "no room left for the observation")

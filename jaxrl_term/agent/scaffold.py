@@ -35,6 +35,17 @@ class Parsed:
         return not self.actions and bool(self.errors)
 
 
+# An observation message may give its content as parts: (text, cuttable) pairs whose texts, joined, are the
+# content. The loop's token budget cuts only the cuttable ones (the results), so a scaffold's wrappers and
+# exit codes survive; a message without parts is cut as a whole.
+PARTS = "parts"
+
+
+def from_parts(role: str, parts: list[tuple[str, bool]]) -> dict:
+    """A chat message whose content is ``parts`` joined, the parts kept for the token budget."""
+    return {"role": role, "content": "".join(t for t, _ in parts), PARTS: parts}
+
+
 def load_prompt(name: str, **values: Any) -> str:
     text = importlib.resources.files("jaxrl_term.agent").joinpath(f"prompts/{name}.md").read_text()
     return string.Template(text).safe_substitute(**values)
@@ -64,7 +75,8 @@ class Scaffold(abc.ABC):
 
     @abc.abstractmethod
     def observation_messages(self, parsed: Parsed, results: list[ToolResult]) -> list[dict]:
-        """Chat messages that carry the results (and parse errors) back to the model."""
+        """Chat messages that carry the results (and parse errors) back to the model; a message may mark its
+        results as the parts the token budget may cut (:func:`from_parts`)."""
 
     def assistant_message(self, text: str, parsed: Parsed) -> dict:
         """The assistant turn as a chat message (for re-rendering and judging)."""

@@ -15,7 +15,9 @@ Facts kept from the original agent (Danau5tin/terminal-bench-rl, ``src/agent_cor
 
 Ours on top: only the text after the reasoning (up to the first ``</think>``) is parsed; a reply that ends
 inside an action (cut off) is a parse error rather than "no action"; arguments are checked before anything
-runs (wrong values are parse errors, as the original's action factory made them); YAML aliases are refused.
+runs (wrong values are parse errors, as the original's action factory made them); YAML aliases and flow
+collections nested more than 64 deep are refused; each result's body (not its wrapper) is what the loop's
+token budget may cut.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections import defaultdict
 
 import yaml
 
-from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, load_prompt
+from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts, load_prompt
 from jaxrl_term.agent.text import head_tail, split_thinking
 from jaxrl_term.agent.tools import TOOL_NAMES, ToolError, ToolResult, validate
 
@@ -63,8 +65,19 @@ EXAMPLES = {
 }
 
 
+MAX_FLOW_DEPTH = 64
+
+
 class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without anchors/aliases: a model's output cannot expand into a 'billion laughs'."""
+    """YAML without anchors/aliases (a model's output cannot expand into a 'billion laughs') and with flow
+    collections (``[``, ``{``) nested at most ``MAX_FLOW_DEPTH`` deep: PyYAML's scanner takes time quadratic in
+    that depth (2,000 brackets: half a second per element, while every other episode in the process waits)."""
+
+    def fetch_flow_collection_start(self, token_class):
+        if self.flow_level >= MAX_FLOW_DEPTH:
+            raise yaml.scanner.ScannerError(None, None, f"[ and {{ are nested more than {MAX_FLOW_DEPTH} deep",
+                                            self.get_mark())
+        super().fetch_flow_collection_start(token_class)
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -104,10 +117,6 @@ def parse_error(tag: str, body: str, desc: str) -> str:
     shown = body if len(body) <= 100 else body[:100] + "..."
     example = f"Expected format:\n{EXAMPLES[tag]}" if tag in EXAMPLES else ""  # none for other names, as the original
     return f"<parse_error>\n[ERROR] Failed to parse <{tag}> action: {desc}\nContent: \"{shown}\"\n{example}\n</parse_error>"
-
-
-def tool_output(tool: str, text: str) -> str:
-    return f"<{tool}_output>\n{text}\n</{tool}_output>"
 
 
 class TbrlScaffold(Scaffold):
@@ -165,6 +174,12 @@ class TbrlScaffold(Scaffold):
         return Parsed(actions, errors, no_action=not attempted)
 
     def observation_messages(self, parsed: Parsed, results: list[ToolResult]) -> list[dict]:
-        parts = list(parsed.errors)
-        parts += [tool_output(r.tool, head_tail(r.text, self.max_observation_chars)) for r in results]
-        return [{"role": "user", "content": "\n\n".join(parts) if parts else NO_OUTPUT}]
+        blocks = [[(e, False)] for e in parsed.errors]
+        blocks += [[(f"<{r.tool}_output>\n", False), (head_tail(r.text, self.max_observation_chars), True),
+                    (f"\n</{r.tool}_output>", False)] for r in results]  # the body is what the budget may cut
+        if not blocks:
+            return [{"role": "user", "content": NO_OUTPUT}]
+        parts = blocks[0]
+        for b in blocks[1:]:
+            parts = parts + [("\n\n", False)] + b
+        return [from_parts("user", parts)]

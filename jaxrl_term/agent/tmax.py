@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, load_prompt
+from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts, load_prompt
 from jaxrl_term.agent.text import clean_value, split_thinking
 from jaxrl_term.agent.tools import ToolError, ToolResult, validate
 
@@ -55,9 +55,14 @@ def truncate_output(output: str, max_chars: int = 10_000) -> str:
 
 
 def tool_message(output: str, exit_code: int | None, max_chars: int = 10_000) -> str:
+    return "".join(t for t, _ in tool_message_parts(output, exit_code, max_chars))
+
+
+def tool_message_parts(output: str, exit_code: int | None, max_chars: int = 10_000) -> list[tuple[str, bool]]:
+    """The tool message as (text, cuttable) parts: the shown output, then the exit code (never cut)."""
     output = output.rstrip()
     shown = truncate_output(output, max_chars) if output else "(no output)"
-    return f"{shown}\n\n(exit_code={-1 if exit_code is None else exit_code})"
+    return [(shown, True), (f"\n\n(exit_code={-1 if exit_code is None else exit_code})", False)]
 
 
 def read_calls(body: str) -> list[dict] | None:
@@ -114,7 +119,7 @@ class TmaxScaffold(Scaffold):
             error = parsed.errors[0] if parsed.errors else NO_CALL
             return [{"role": parsed.meta.get("role", "user"), "content": FORMAT_ERROR.format(error=error)}]
         r = results[0]
-        return [{"role": "tool", "content": tool_message(r.text, r.exit_code, self.max_observation_chars)}]
+        return [from_parts("tool", tool_message_parts(r.text, r.exit_code, self.max_observation_chars))]
 
     def assistant_message(self, text: str, parsed: Parsed) -> dict:
         return native_assistant_message(text, parsed.meta.get("calls") or [])

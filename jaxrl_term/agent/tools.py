@@ -297,12 +297,14 @@ class ToolBox:
         self.notes: list[str] = []
         self._next_todo = 1
         self._bg = 0
+        self._aux_s = 30.0  # limit of the helper processes (stat, the write check) of the current call
 
     async def call(self, tool: str, args: Any, *, time_left_s: float | None = None) -> ToolResult:
         """Run one call. Bad arguments and failed operations are error results; a lost sandbox raises."""
         try:
             checked = validate(tool, args)
             left = None if time_left_s is None else max(1.0, time_left_s)
+            self._aux_s = 30.0 if left is None else min(30.0, left)  # helpers, too, end with the episode
             return await getattr(self, f"_{tool}")(checked, left)
         except ToolError as e:
             return ToolResult(tool if tool in TOOL_NAMES else "unknown", False, f"[ERROR] {e}")
@@ -341,7 +343,7 @@ class ToolBox:
     # -- file ---------------------------------------------------------------------------------------
     async def _stat(self, path: str) -> tuple[str, int, int] | None:
         """(kind, size, mode) of ``path`` following links, or None when it does not exist."""
-        r = await self.sb.exec(["stat", "-L", "-c", "%F|%s|%a", "--", path], 30)
+        r = await self.sb.exec(["stat", "-L", "-c", "%F|%s|%a", "--", path], self._aux_s)
         parts = r.output.strip().split("|")
         if r.exit_code != 0 or len(parts) != 3 or not parts[1].isdigit():
             return None
@@ -374,7 +376,7 @@ class ToolBox:
                   '[ -w "$d" ] || { echo "$d is not writable"; exit 5; }\n'
                   'if [ -e "$p" ] && [ ! -f "$p" ]; then echo "$p exists and is not a regular file"; exit 6; fi\n'
                   'printf "%s" "$p"\n')
-        r = await self.sb.exec(["sh", "-c", script, "sh", path], 30)
+        r = await self.sb.exec(["sh", "-c", script, "sh", path], self._aux_s)
         if r.exit_code != 0 or not r.output.startswith("/"):
             raise ToolError(f"cannot write {path}: {r.output.strip() or 'exit status %s' % r.exit_code}")
         return r.output
@@ -418,7 +420,7 @@ class ToolBox:
         out = []
         for p in paths:
             p = self._abs(p)
-            r = await self.sb.exec(["stat", "-L", "-c", "%s|%U:%G|%a|%F", "--", p], 30)
+            r = await self.sb.exec(["stat", "-L", "-c", "%s|%U:%G|%a|%F", "--", p], self._aux_s)
             parts = r.output.strip().split("|")
             if r.exit_code != 0 or len(parts) != 4:
                 out.append(f"{p}: Not found")
@@ -476,7 +478,11 @@ class ToolBox:
             parts = line.split(None, 8)
             return parts[8].split(" -> ")[0] if len(parts) == 9 else None
 
-        lines = [ln for ln in lines if (n := name(ln)) is None or not any(fnmatch.fnmatch(n, g) for g in ignore)]
+        def ignored(n: str, pattern: str) -> bool:
+            # a glob matches the name; a bare word anywhere in it (Terminal-Bench-RL's rule: `node` hides node_modules)
+            return fnmatch.fnmatchcase(n, pattern) or (not any(c in pattern for c in "*?[") and pattern in n)
+
+        lines = [ln for ln in lines if (n := name(ln)) is None or not any(ignored(n, g) for g in ignore)]
         return ToolResult("search", True, "\n".join(lines))
 
     # -- todo / scratchpad / finish -----------------------------------------------------------------

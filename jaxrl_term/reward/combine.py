@@ -8,9 +8,9 @@ trajectory of the group the tests alone; ``on_missing=wait`` judges the stored t
 are not re-run) until ``max_wait_s`` has passed, then drops the group (every reward None). Counters say which
 happened.
 
-``RewardMixer(task, trajectory, result)`` is the older per-trajectory call: a group of one. With a judge it
-cannot keep a group on one judge, so it warns once; the pipeline should call ``score_group`` after the
-group's episodes are verified, outside the episode slots.
+The rollout pipeline calls ``score_group`` once per group, after the group's episodes are verified and
+outside the episode slots. ``RewardMixer(task, trajectory, result)`` is the older per-trajectory call: a
+group of one; with a judge it cannot keep a group on one judge, so it warns once.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """An LLM judge of *how* the agent worked, over OpenAI-compatible chat completions, one judge per group.
 
 **Missing means the infrastructure failed, never the trajectory.** Failures are of two kinds:
-- infrastructure (``INFRA``): 429, 5xx, timeouts, connection errors, a missing API key, auth and other
-  client errors, malformed responses. The endpoint is retried (``retries``, honouring ``Retry-After``), then
-  the next endpoint is asked; when every endpoint fails for ``rounds`` rounds the judgement is *missing*.
-- caused by the prompt (``PROMPT``): a context-length error, a content filter, a refusal or an answer that
+- infrastructure (``INFRA``): 429, 5xx, timeouts, connection errors, a missing or rejected API key, a wrong
+  URL or model (404, a 400 that names the model or key), malformed responses. The endpoint is retried
+  (``retries``, honouring ``Retry-After``), then the next endpoint is asked; when every endpoint fails for
+  ``rounds`` rounds the judgement is *missing*.
+- caused by the prompt (``PROMPT``): a context-length error, a content filter, any other 400/422 rejection
+  of the request (``bad_request``: only the prompt varies between requests), a refusal or an answer that
   stays unparsable after one repair, a truncated answer. The trajectory is rendered again smaller
   (``shrink`` x the budget) and asked again on the same endpoint; if that fails too the judge part is **0**
   (``JudgeResult.zeroed`` names why). Making the judge fail is never a way out of a bad judgement.
@@ -15,10 +17,11 @@
 infrastructure failure after its retries), the whole group is judged again on the next endpoint; the
 residual skew within a group is zero by construction.
 
-**Breakers** count consecutive infrastructure failures per endpoint (prompt-caused failures prove the
-endpoint is up and count as successes): after ``failure_threshold`` the endpoint is skipped for
-``cooldown_s`` (or the server's ``Retry-After``), then one trial request decides; a trial that is cancelled
-releases the half-open state. A ``Retry-After`` below the threshold still holds the endpoint until then.
+**Breakers** (``judge_breaker.py``) count consecutive infrastructure failures per endpoint (prompt-caused
+failures prove the endpoint is up and count as successes): after ``failure_threshold`` the endpoint is
+skipped for ``cooldown_s`` (or the server's ``Retry-After``), then one trial request decides; a trial that is
+cancelled releases the half-open state, and a cached answer is no trial. A ``Retry-After`` below the
+threshold still holds the endpoint until then.
 
 Each endpoint renders the transcript for its own ``context_tokens - max_tokens`` (``judge_render.py``). The
 cache is keyed by (endpoint, model, hash of the prompt without its boundary), so it hits. Token usage,
@@ -30,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import email.utils
 import logging
 import os
 import time
@@ -38,6 +40,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from jaxrl_term.reward.judge_breaker import CircuitBreaker, retry_after_s
 from jaxrl_term.reward.judge_parse import parse_score
 from jaxrl_term.reward.judge_render import REPAIR, estimate_tokens, render_prompt
 
@@ -59,11 +62,15 @@ __all__ = [
 
 INFRA = ("rate_limited", "server_error", "timeout", "connection", "no_api_key", "auth", "client_error",
          "bad_response", "unavailable")
-PROMPT = ("context_length", "content_filter", "unparsable", "truncated")
+PROMPT = ("context_length", "content_filter", "bad_request", "unparsable", "truncated")
 _CONTEXT = ("context length", "context_length", "maximum context", "context window", "too many tokens",
             "prompt is too long", "input is too long", "maximum input length", "reduce the length", "too long for")
 _FILTER = ("content_filter", "content filter", "content management policy", "responsibleaipolicyviolation",
            "safety system", "flagged", "moderation", "policy violation")
+# a 400 that is about the endpoint's configuration, not the prompt: infrastructure (missing, never 0)
+_CONFIG = ("not a valid model", "invalid model", "unknown model", "model not found", "no such model",
+           "does not exist", "api key", "api_key", "unauthorized", "no endpoints found", "max_tokens",
+           "temperature", "unsupported parameter", "unrecognized request argument")  # after _CONTEXT's check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,73 +133,6 @@ class GroupJudgement:
     @property
     def missing(self) -> bool:
         return self.endpoint is None
-
-
-class CircuitBreaker:
-    """Closed -> open after ``threshold`` consecutive infrastructure failures -> half-open after the cool-down
-    (one trial request) -> closed on success. ``not_before`` holds a server's ``Retry-After`` in any state."""
-
-    def __init__(self, threshold: int, cooldown_s: float):
-        self.threshold, self.cooldown_s = max(1, threshold), cooldown_s
-        self.failures = 0
-        self.open_until = self.not_before = 0.0
-        self.trial_in_flight = False
-
-    def wait_s(self) -> float:
-        return max(0.0, self.not_before - time.monotonic())
-
-    def half_open(self) -> bool:
-        return self.failures >= self.threshold and time.monotonic() >= self.open_until
-
-    def available(self) -> bool:
-        """Would a request be let through now? (does not claim the trial)"""
-        now = time.monotonic()
-        if now < self.not_before:
-            return False
-        return self.failures < self.threshold or (now >= self.open_until and not self.trial_in_flight)
-
-    def enter(self) -> bool | None:
-        """None: refused; True: this request is the half-open trial; False: a normal request."""
-        now = time.monotonic()
-        if now < self.not_before:
-            return None
-        if self.failures < self.threshold:
-            return False
-        if now < self.open_until or self.trial_in_flight:
-            return None
-        self.trial_in_flight = True
-        return True
-
-    def settle(self, trial: bool, ok: bool, retry_after: float | None = None) -> None:
-        now = time.monotonic()
-        if trial:
-            self.trial_in_flight = False
-        if retry_after is not None:
-            self.not_before = max(self.not_before, now + retry_after)
-        if ok:
-            self.failures = 0
-            return
-        self.failures += 1
-        if self.failures >= self.threshold:
-            self.open_until = now + max(self.cooldown_s, retry_after or 0.0)
-
-    def abandon(self, trial: bool) -> None:
-        """The request was cancelled: nothing was learned, so the next request may be the trial."""
-        if trial:
-            self.trial_in_flight = False
-
-
-def _retry_after(value: str | None) -> float | None:
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
 
 
 def _left(deadline: float | None) -> float | None:
@@ -276,10 +216,10 @@ class JudgeClient:
         """Score every trajectory on ``ep`` concurrently; the first infrastructure failure cancels the rest."""
         first: list[JudgeResult] = []
         rest = list(trajectories)
-        if self.breakers[ep.name].half_open():  # the first trajectory is the trial request
-            try:
-                first = [await asyncio.wait_for(self.judge_one(ep, task, rest.pop(0), deadline=deadline),
-                                                _left(deadline))]
+        while rest and self.breakers[ep.name].half_open():  # one at a time until a trial request closes it
+            try:  # (a cached answer makes no request, so the next trajectory is the trial)
+                first.append(await asyncio.wait_for(self.judge_one(ep, task, rest.pop(0), deadline=deadline),
+                                                    _left(deadline)))
             except TimeoutError as e:
                 raise JudgeFailure("timeout", "the group's deadline passed") from e
         tasks = [asyncio.ensure_future(self.judge_one(ep, task, t, deadline=deadline)) for t in rest]
@@ -340,6 +280,7 @@ class JudgeClient:
             self.stats["zeroed"] += 1
             self.stats[f"{ep.name}/zeroed_{last.kind}"] += 1
             why = f"scored 0: the judge failed on this trajectory ({last.kind}: {last})"[:500]
+            log.warning("judge %s %s", ep.name, why)  # loud: a misconfigured endpoint would zero every group
             res = JudgeResult(0.0, ep.name, why, attempts=attempts, zeroed=last.kind)
         if use_cache and self.cache_size > 0:
             self.cache[key] = dataclasses.replace(res, attempts=[])
@@ -427,15 +368,17 @@ class JudgeClient:
             raise JudgeFailure("connection", f"{type(e).__name__}: {e}") from e
         code, low = r.status_code, r.text[:4000].lower()
         if code == 429:
-            raise JudgeFailure("rate_limited", "HTTP 429", _retry_after(r.headers.get("retry-after")))
+            raise JudgeFailure("rate_limited", "HTTP 429", retry_after_s(r.headers.get("retry-after")))
         if code >= 500:
             raise JudgeFailure("server_error", f"HTTP {code}: {r.text[:200]}",
-                               _retry_after(r.headers.get("retry-after")))
+                               retry_after_s(r.headers.get("retry-after")))
         if code >= 400:
             if code == 413 or any(k in low for k in _CONTEXT):
                 kind = "context_length"
             elif any(k in low for k in _FILTER):
                 kind = "content_filter"
+            elif code in (400, 422) and not any(k in low for k in _CONFIG):
+                kind = "bad_request"  # the request differs from a good one only in its prompt
             else:
                 kind = {401: "auth", 403: "auth", 408: "timeout"}.get(code, "client_error")
             raise JudgeFailure(kind, f"HTTP {code}: {r.text[:200]}")

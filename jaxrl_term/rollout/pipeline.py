@@ -7,6 +7,10 @@ or sandbox failures) and verifier errors are retried, then the group is dropped;
 dropped and more tasks drawn ("active sampling"); every drop is counted. Attempts the verifier finds
 ``tampered`` or ``verifier_sabotaged`` score 0 and are never retried (``pipeline/tampered``,
 ``pipeline/verifier_sabotaged``): breaking the verifier must not be a way out of a bad outcome.
+Rewards are computed once per group, after its episodes are verified and outside the episode slots: a
+``reward_fn`` with ``score_group`` (``RewardMixer``) gets the whole group, so one judge scores all of it and
+a missing judgement is missing for all of it; a group whose rewards are missing (``wait`` ran out) is
+dropped (``pipeline/groups_reward_missing``), never re-run.
 
 Staleness: the trainer asks for the batch of step ``t``; a group may serve it only if its policy version
 (the oldest weights any of its turns used) is ``>= t - max_off_policy_steps``. New groups start only when
@@ -36,7 +40,8 @@ from jaxrl_term.tasks.task import Task
 
 log = logging.getLogger(__name__)
 
-# (task, trajectory, verifier result) -> (reward, reward parts); the default is the verifier's score
+# (task, trajectory, verifier result) -> (reward, reward parts); the default is the verifier's score. An object
+# that also has ``score_group(task, trajectories, results) -> [(reward, parts)]`` is called once per group.
 RewardFn = Callable[[Task, Trajectory, Any], Awaitable[tuple[float | None, dict]]]
 
 
@@ -216,7 +221,9 @@ class RolloutPipeline:
                               "(the group is dropped: its staleness is unknown)", seq, task.id)
                     group = Group(seq, task, [], [], -1, t0, time.monotonic(), "untagged weight version")
                 else:
-                    group = Group(seq, task, trajs, [o[1] for o in outcomes], version, t0, time.monotonic())
+                    rewards = await self._score_group(task, trajs, [o[1] for o in outcomes])
+                    group = Group(seq, task, trajs, rewards or [], version, t0, time.monotonic(),
+                                  None if rewards is not None else "the group's reward is missing")
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a broken group is dropped and counted, the run goes on
@@ -231,8 +238,8 @@ class RolloutPipeline:
         h = hashlib.sha256(f"{self.seed}/{seq}/{k}/{attempt}".encode()).digest()
         return int.from_bytes(h[:4], "little") % 2**31
 
-    async def _episode(self, task: Task, seq: int, k: int) -> tuple[Trajectory, float] | None:
-        """One episode with retries: (trajectory, reward), or None when every attempt failed."""
+    async def _episode(self, task: Task, seq: int, k: int) -> tuple[Trajectory, Any] | None:
+        """One episode with retries: (trajectory, verifier result), or None when every attempt failed."""
         for attempt in range(self.max_retries + 1):
             async with self._episode_sem:
                 self._episode_started()
@@ -272,19 +279,30 @@ class RolloutPipeline:
             self.counters["verifier_toolchain_fallback"] += 1
         if result.outcome in ZERO_OUTCOMES:  # tampered / verifier_sabotaged: 0, never retried, whatever else rewards
             self.counters[result.outcome] += 1
-            reward, parts = 0.0, {"tests": 0.0}
-        else:
-            reward, parts = await self.reward_fn(task, traj, result)
-        if reward is None:
-            self.counters["retry_reward_missing"] += 1
-            return None
-        traj.reward = float(reward)
-        traj.reward_parts = {**parts, "outcome": result.outcome, "tests_passed": result.passed}
         traj.meta.update(seq=seq, k=k, attempt=attempt, policy_version_started=self.policy_version)
         self.counters["episodes"] += 1
         if result.outcome == "test_timeout":
             self.counters["test_timeouts"] += 1
-        return traj, float(reward)
+        return traj, result
+
+    async def _score_group(self, task: Task, trajs: list[Trajectory], results: list) -> list[float] | None:
+        """The group's rewards (set on each trajectory too), or None when they are missing. Runs outside the
+        episode slots; a judge behind ``reward_fn.score_group`` scores the whole group on one endpoint."""
+        group_fn = getattr(self.reward_fn, "score_group", None)
+        if group_fn is not None:
+            scored = list(await group_fn(task, trajs, results))
+        else:
+            scored = [None if r.outcome in ZERO_OUTCOMES else await self.reward_fn(task, t, r)
+                      for t, r in zip(trajs, results)]
+        # tampered / verifier_sabotaged: 0 whatever the reward function says
+        scored = [(0.0, {"tests": 0.0}) if r.outcome in ZERO_OUTCOMES else s for s, r in zip(scored, results)]
+        if any(reward is None for reward, _ in scored):
+            self.counters["groups_reward_missing"] += 1
+            return None
+        for traj, result, (reward, parts) in zip(trajs, results, scored):
+            traj.reward = float(reward)
+            traj.reward_parts = {**parts, "outcome": result.outcome, "tests_passed": result.passed}
+        return [float(reward) for reward, _ in scored]
 
     # -- consumer ---------------------------------------------------------------------------------
     async def get_batch(self, step: int) -> list[Group]:

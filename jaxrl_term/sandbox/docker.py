@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 
 from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, tar_directory
-from jaxrl_term.sandbox.shell import PersistentShell, kill_command
+from jaxrl_term.sandbox.shell import PersistentShell, kill_command, kill_tree_command
 
 log = logging.getLogger(__name__)
 
@@ -179,15 +179,36 @@ def docker_errors():
     return docker.errors
 
 
+def _pids_current_file(container) -> Path | None:
+    """The host's ``pids.current`` of a container's cgroup (v1 ``pids`` or v2), from its init's ``/proc/PID/cgroup``;
+    None when the engine runs elsewhere (the pid is not ours to read) or the file is missing."""
+    try:
+        container.reload()
+        pid = int(container.attrs["State"]["Pid"])
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for f in ([Path("/sys/fs/cgroup/pids") / path.lstrip("/") / "pids.current"] if "pids" in controllers.split(",")
+                  else [Path("/sys/fs/cgroup") / path.lstrip("/") / "pids.current"] if controllers == "" else []):
+            if f.is_file():
+                return f
+    return None
+
+
 class DockerExecTransport:
     """The exec socket of ``bash`` in a container, demultiplexed (stdout and stderr frames, in order)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock, exec_id: str):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock, exec_id: str,
+                 sealed: bool = False):
         self.reader, self.writer, self._sock, self.exec_id = reader, writer, sock, exec_id
+        self.sealed = sealed  # the shell reads a socket (toolkit.SOCKIN), not the exec's pipe
         self._pending = b""
 
     @classmethod
-    async def open(cls, container_id: str, workdir: str | None, env: dict[str, str], argv: list[str] | None = None):
+    async def open(cls, container_id: str, workdir: str | None, env: dict[str, str], argv: list[str] | None = None,
+                   sealed: bool = False):
         api = client().api
         exec_id = (await _call(
             api.exec_create, container_id, argv or ["bash", "--noprofile", "--norc"], stdin=True, stdout=True,
@@ -197,7 +218,7 @@ class DockerExecTransport:
         raw = getattr(sock, "_sock", sock)
         raw.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=raw)
-        return cls(reader, writer, sock, exec_id)
+        return cls(reader, writer, sock, exec_id, sealed)
 
     async def write(self, data: bytes) -> None:
         self.writer.write(data)
@@ -288,9 +309,11 @@ class DockerSandbox:
         shell_argv = list(getattr(shell_mod, "SHELL_ARGV", ["bash", "--noprofile", "--norc"]))
 
         async def spawn():
-            # the shell is non-dumpable (toolkit.NODUMP): the agent cannot read its stdin pipe or memory
+            # the shell is non-dumpable (toolkit.NODUMP): the agent cannot read its memory; it reads a socket that
+            # toolkit.SOCKIN fills from the exec's pipe: a process holding its stdin cannot write a command into it
             return await DockerExecTransport.open(container.id, limits.workdir,
-                                                  {**dict(limits.env), "LD_PRELOAD": toolkit.NODUMP}, shell_argv)
+                                                  {**dict(limits.env), "LD_PRELOAD": toolkit.NODUMP},
+                                                  [toolkit.SOCKIN, toolkit.BASH_PATHS, *shell_argv], sealed=True)
 
         async def signal_command(shell_pid: int, start: tuple[int, int], sig: str) -> None:
             # Retried: with every pid taken (a fork bomb) the exec itself may fail to start at first.
@@ -308,8 +331,26 @@ class DockerSandbox:
                         container.short_id)
             await _call(container.restart, timeout=0)
 
+        async def kill_tree(shell_pid: int) -> None:
+            # a replaced shell, its descendants and its session (as root, from a fresh exec: not the agent's shell)
+            for attempt in range(3):
+                try:
+                    await _call(container.exec_run, kill_tree_command(shell_pid), user="root")
+                    return
+                except docker_errors().APIError:
+                    await asyncio.sleep(0.1 * (attempt + 1))
+
+        pids_file = await _call(_pids_current_file, container)
+
+        def pid_pressure() -> bool:
+            # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
+            try:
+                return pids_file is not None and int(pids_file.read_text()) >= 0.8 * limits.pids
+            except (OSError, ValueError):
+                return False
+
         shell = PersistentShell(spawn, signal_command, workdir=limits.workdir, max_output_bytes=limits.max_output_bytes,
-                                recover=recover)
+                                recover=recover, kill_tree=kill_tree, pid_pressure=pid_pressure)
         sb = cls(container, limits, shell)
         try:
             await shell.start()

@@ -476,7 +476,6 @@ class ImageBuilder:
 
     def __init__(self, image_map: Sequence[tuple[str, str]] = DEFAULT_IMAGE_MAP, ca_bundle: str | None = "auto",
                  max_parallel_builds: int = 2):
-        import asyncio
 
         self.image_map = tuple(tuple(x) for x in image_map)
         self.ca_bundle = resolve_ca_bundle(ca_bundle)

@@ -37,6 +37,7 @@ import os
 import posixpath
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -56,13 +57,17 @@ EXTRA_DIRS = ("/tests", "/logs", "/solution")
 
 
 class ProcessTransport:
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
+    """The shell's stdout pipe, and its stdin: one end of a socketpair (``sealed``: a process the agent leaves
+    holding the shell's stdin cannot reopen it for writing through ``/proc/self/fd``, as it could a pipe)."""
+
+    sealed = True
+
+    def __init__(self, proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter):
+        self.proc, self._w = proc, writer
 
     async def write(self, data: bytes) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(data)
-        await self.proc.stdin.drain()
+        self._w.write(data)
+        await self._w.drain()
 
     async def read(self) -> bytes:
         assert self.proc.stdout is not None
@@ -70,6 +75,10 @@ class ProcessTransport:
 
     async def close(self) -> None:
         # bwrap --die-with-parent: killing it kills its pid namespace's init, and with it every process of the shell
+        try:
+            self._w.close()
+        except Exception:  # noqa: BLE001 - closing a dead socket
+            pass
         if self.proc.returncode is None:
             try:
                 self.proc.kill()
@@ -273,12 +282,21 @@ class LocalSandbox:
         from jaxrl_term.sandbox import toolkit
 
         argv = list(getattr(shell_mod, "SHELL_ARGV", ["bash", "--noprofile", "--norc"]))
-        proc = await asyncio.create_subprocess_exec(
-            *self._argv(argv, uid=SANDBOX_UID, env={"LD_PRELOAD": toolkit.NODUMP}, as_pid_1=True), stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self.confine.preexec,
-            start_new_session=True, env=self._host_env())
+        ours, theirs = socket.socketpair()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(argv, uid=SANDBOX_UID, env={"LD_PRELOAD": toolkit.NODUMP}, as_pid_1=True), stdin=theirs,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self.confine.preexec,
+                start_new_session=True, env=self._host_env())
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.shutdown(socket.SHUT_RD)  # the shell's stdin only: nothing comes back this way
+        _, writer = await asyncio.open_connection(sock=ours)
         self._bwrap_pid = proc.pid
-        return ProcessTransport(proc)
+        return ProcessTransport(proc, writer)
 
     async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
                    workdir: str | None = None, stdin: bytes | None = None) -> CommandResult:

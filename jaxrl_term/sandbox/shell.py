@@ -77,13 +77,15 @@ if [ "$sig" = KILL ]; then signal_all STOP; signal_all KILL; signal_all KILL; el
 exit 0
 """
 
-# The old shell's whole tree, out of band: the shell, its descendants, and (when it leads its session, as an
-# exec'd process does) every process of its session: background jobs in their own process groups and their
+# The old shell's whole tree, out of band: the shell, its descendants, and (when it or its parent, the stdin relay,
+# leads its session, as an exec'd process does) every process of its session: background jobs in their own process groups and their
 # orphans. Daemons that left the session with setsid are spared, as when a terminal closes.
 KILL_TREE_SCRIPT = r"""
 shell=$1
 read -r s < "/proc/$shell/stat" || exit 0
-r=${s##*) }; set -- $r; sid=$4
+r=${s##*) }; set -- $r; sid=$4; lead=0
+# its session counts when the shell leads it, or when its parent (the toolkit's stdin relay) does
+[[ $sid = "$shell" || $sid = "$2" ]] && lead=1
 pass() {
   local sig=$1
   declare -A kids=()
@@ -100,7 +102,7 @@ pass() {
     for i in "${!all[@]}"; do
       p=${all[i]}
       [[ -n ${kids[$p]} ]] && continue
-      if [[ -n ${kids[${parents[i]}]} ]] || [[ $sid = "$shell" && ${sessions[i]} = "$sid" ]]; then kids[$p]=1; grew=1; fi
+      if [[ -n ${kids[${parents[i]}]} ]] || { (( lead )) && [[ ${sessions[i]} = "$sid" ]]; }; then kids[$p]=1; grew=1; fi
     done
   done
   for p in "${!kids[@]}"; do [[ $p = $$ || $p = 1 ]] || kill -s "$sig" "$p" 2>/dev/null; done
@@ -252,6 +254,8 @@ class PersistentShell:
         self.last_cwd: str | None = workdir
         self._start = (0, 0)  # kill reference: (tick, last pid) at the end of the previous command
         self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_COMMANDS)
+        self._shell_start = (0, 0)  # kill reference of everything this shell started
+        self._pressed = False  # the previous check found pressure too
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self, timeout_s: float = 30.0) -> None:
@@ -273,6 +277,8 @@ class PersistentShell:
         if m is None:
             raise SandboxError(f"the shell's framing failed at start: {decode(bytes(self._buf[-500:]))}")
         self.pid, self._start = m.pid, m.start
+        self._shell_start = m.start
+        self._pressed = False
         self._recent.clear()
         self.input_sealed = bool(getattr(self._t, "sealed", False))
         self.protected = m.code != 0
@@ -363,11 +369,17 @@ class PersistentShell:
             log.debug("pid_pressure: %s", e)
             return res
         if not pressed:
+            self._pressed = False
             return res
-        await self._signal(self._recent[0], "KILL")
+        if self._pressed:  # killing what the last commands started did not help: everything this shell started
+            await self._signal(self._shell_start, "KILL")
+            what = "every process the shell's commands started was killed"
+        else:
+            await self._signal(self._recent[0], "KILL")
+            what = f"what the last {RECENT_COMMANDS} commands started was killed"
+        self._pressed = True
         self._recent.clear()
-        return dataclasses.replace(res, output=res.output + "\n[sandbox: the sandbox was near its process limit; "
-                                   f"what the last {RECENT_COMMANDS} commands started was killed]")
+        return dataclasses.replace(res, output=res.output + f"\n[sandbox: the sandbox was near its process limit; {what}]")
 
     async def _run(self, command: str, timeout_s: float) -> CommandResult:
         n, payload = framing.frame(command)

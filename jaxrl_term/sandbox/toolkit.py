@@ -7,6 +7,12 @@ none of it comes from the agent's writable filesystem.
   backend drops every capability) can then neither open ``/proc/<shell>/fd/*`` nor read the shell's memory or
   ptrace it, so the framing script waiting in the shell's stdin pipe stays secret. Children of the shell exec
   normally and are dumpable again.
+* ``sockin``: a static relay that starts the persistent shell with a *socket* for its stdin (a ``socketpair``) and
+  copies its own stdin (the exec's pipe) into it, non-dumpable itself. A process the agent leaves holding the shell's
+  stdin (bash keeps a saved copy while a command runs) can then read a command before bash does, which only costs a
+  timeout, but cannot write one in its place: ``/proc/self/fd/N`` reopens a pipe for writing, never a socket, and
+  the relay's pipe is behind its non-dumpable ``/proc/<pid>/fd``. ``sockin PATHS ARGV0 ARGS...`` executes the first
+  of the colon-separated absolute ``PATHS`` that exists; it exits with the shell's status.
 * ``pause``: a static keep-alive (the container's main process under docker-init) that cannot be swapped for a
   script: ``tail -f /dev/null`` from the image could be replaced by the agent with something that runs again
   when the container restarts for verification.
@@ -34,7 +40,9 @@ log = logging.getLogger(__name__)
 MOUNT = "/opt/jaxrl"
 NODUMP = f"{MOUNT}/nodump.so"
 PAUSE = f"{MOUNT}/pause"
-VERSION = 1
+SOCKIN = f"{MOUNT}/sockin"
+BASH_PATHS = "/bin/bash:/usr/bin/bash:/usr/local/bin/bash"
+VERSION = 2
 
 _SYSCALL = r"""
 static long sys2(long n, long a, long b) {
@@ -91,12 +99,103 @@ void _start(void) {
 """
 
 
+SOCKIN_C = r"""
+static long sys6(long n, long a, long b, long c, long d, long e, long f) {
+    long ret;
+#if defined(__x86_64__)
+    register long r10 __asm__("r10") = d;
+    register long r8 __asm__("r8") = e;
+    register long r9 __asm__("r9") = f;
+    __asm__ volatile ("syscall" : "=a"(ret) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
+                      : "rcx", "r11", "memory");
+#elif defined(__aarch64__)
+    register long x8 __asm__("x8") = n;
+    register long x0 __asm__("x0") = a;
+    register long x1 __asm__("x1") = b;
+    register long x2 __asm__("x2") = c;
+    register long x3 __asm__("x3") = d;
+    register long x4 __asm__("x4") = e;
+    register long x5 __asm__("x5") = f;
+    __asm__ volatile ("svc 0" : "+r"(x0) : "r"(x8), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5) : "memory");
+    ret = x0;
+#else
+#error "toolkit: unsupported architecture"
+#endif
+    return ret;
+}
+#if defined(__x86_64__)
+enum { NR_READ = 0, NR_WRITE = 1, NR_CLOSE = 3, NR_SHUTDOWN = 48, NR_SOCKETPAIR = 53, NR_CLONE = 56, NR_EXECVE = 59,
+       NR_WAIT4 = 61, NR_KILL = 62, NR_PRCTL = 157, NR_EXIT_GROUP = 231, NR_DUP3 = 292 };
+__asm__(".globl _start\n_start:\n xor %rbp, %rbp\n mov %rsp, %rdi\n and $-16, %rsp\n call start_c\n hlt\n");
+#else
+enum { NR_READ = 63, NR_WRITE = 64, NR_CLOSE = 57, NR_SHUTDOWN = 210, NR_SOCKETPAIR = 199, NR_CLONE = 220,
+       NR_EXECVE = 221, NR_WAIT4 = 260, NR_KILL = 129, NR_PRCTL = 167, NR_EXIT_GROUP = 94, NR_DUP3 = 24 };
+__asm__(".globl _start\n_start:\n mov x0, sp\n bl start_c\n");
+#endif
+#define S(n, a, b, c) sys6(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
+#define EINTR 4
+
+static char buf[65536];
+static char path[4096];
+
+__attribute__((noreturn)) static void die(int code) { for (;;) S(NR_EXIT_GROUP, code, 0, 0); }
+
+__attribute__((used, noreturn)) void start_c(long *sp) {
+    long argc = sp[0];
+    char **argv = (char **)(sp + 1), **envp = argv + argc + 1;
+    int sv[2];
+    S(NR_PRCTL, 4, 0, 0);  /* PR_SET_DUMPABLE 0: its stdin pipe is not reachable through /proc/<pid>/fd */
+    if (argc < 3 || sys6(NR_SOCKETPAIR, 1 /* AF_UNIX */, 1 /* SOCK_STREAM */, 0, (long)sv, 0, 0) < 0) die(126);
+    long pid = sys6(NR_CLONE, 17 /* SIGCHLD: a plain fork */, 0, 0, 0, 0, 0);
+    if (pid < 0) die(126);
+    if (pid == 0) {
+        S(NR_DUP3, sv[1], 0, 0);
+        S(NR_CLOSE, sv[0], 0, 0);
+        S(NR_CLOSE, sv[1], 0, 0);
+        for (const char *p = argv[1]; *p;) {  /* the first of the colon-separated paths that executes */
+            long k = 0;
+            while (*p && *p != ':' && k < (long)sizeof(path) - 1) path[k++] = *p++;
+            path[k] = 0;
+            if (*p == ':') p++;
+            S(NR_EXECVE, path, argv + 2, envp);
+        }
+        die(127);
+    }
+    S(NR_CLOSE, sv[1], 0, 0);
+    S(NR_CLOSE, 1, 0, 0);  /* the shell's output is its own */
+    S(NR_CLOSE, 2, 0, 0);
+    long pump = sys6(NR_CLONE, 17, 0, 0, 0, 0, 0);
+    if (pump == 0) {  /* copies the exec's stdin into the socket (non-dumpable, as its parent) */
+        for (;;) {
+            long n = S(NR_READ, 0, buf, sizeof(buf));
+            if (n == -EINTR) continue;
+            if (n <= 0) break;
+            for (long off = 0; off < n;) {
+                long w = S(NR_WRITE, sv[0], buf + off, n - off);
+                if (w == -EINTR) continue;
+                if (w <= 0) die(0);
+                off += w;
+            }
+        }
+        S(NR_SHUTDOWN, sv[0], 1 /* SHUT_WR */, 0);
+        die(0);
+    }
+    S(NR_CLOSE, 0, 0, 0);
+    S(NR_CLOSE, sv[0], 0, 0);
+    int status = 0;  /* the exec ends when the shell does (its stream's EOF is how an exit is seen) */
+    while (sys6(NR_WAIT4, pid, (long)&status, 0, 0, 0, 0) == -EINTR) {}
+    if (pump > 0) S(NR_KILL, pump, 9, 0);
+    die((status >> 8) & 0xff);
+}
+"""
+
+
 class ToolkitError(RuntimeError):
     """The toolkit cannot be built here (the message names what is missing)."""
 
 
 def _hash() -> str:
-    return hashlib.sha256(f"{VERSION}/{platform.machine()}/{NODUMP_C}/{PAUSE_C}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{VERSION}/{platform.machine()}/{NODUMP_C}/{PAUSE_C}/{SOCKIN_C}".encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
@@ -105,9 +204,9 @@ def cache_root() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def ensure_host_dir() -> Path:
-    """Build (once) and return the host directory holding ``nodump.so`` and ``pause``."""
+    """Build (once) and return the host directory holding ``nodump.so``, ``pause`` and ``sockin``."""
     out = cache_root() / _hash()
-    if (out / "nodump.so").is_file() and (out / "pause").is_file():
+    if all((out / n).is_file() for n in ("nodump.so", "pause", "sockin")):
         return out
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
@@ -117,16 +216,18 @@ def ensure_host_dir() -> Path:
     try:
         (tmp / "nodump.c").write_text(NODUMP_C)
         (tmp / "pause.c").write_text(PAUSE_C)
+        (tmp / "sockin.c").write_text(SOCKIN_C)
         common = ["-O2", "-nostdlib", "-fno-stack-protector", "-fno-builtin"]
         for argv in ([gcc, *common, "-fPIC", "-shared", "-o", "nodump.so", "nodump.c"],
-                     [gcc, *common, "-static", "-fno-pie", "-no-pie", "-o", "pause", "pause.c"]):
+                     [gcc, *common, "-static", "-fno-pie", "-no-pie", "-o", "pause", "pause.c"],
+                     [gcc, *common, "-static", "-fno-pie", "-no-pie", "-o", "sockin", "sockin.c"]):
             proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise ToolkitError(f"building the sandbox toolkit failed: {' '.join(argv)}\n{proc.stderr[-2000:]}")
-        for name in ("nodump.c", "pause.c"):
+        for name in ("nodump.c", "pause.c", "sockin.c"):
             (tmp / name).unlink()
-        (tmp / "nodump.so").chmod(0o755)
-        (tmp / "pause").chmod(0o755)
+        for name in ("nodump.so", "pause", "sockin"):
+            (tmp / name).chmod(0o755)
         try:
             tmp.rename(out)
         except OSError:  # another process built it first
