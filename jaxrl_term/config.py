@@ -116,13 +116,15 @@ class AgentCfg:
     max_parse_error_turns: int = 3
     max_actions_per_turn: int = 10
     max_observation_chars: int = 16000
+    max_observation_tokens: Optional[int] = None  # per turn, all results together; None: max_context_tokens / 4
     enable_thinking: Optional[bool] = None
 
     def limits(self):
         from jaxrl_term.agent.loop import AgentLimits
 
         return AgentLimits(self.max_turns, self.max_tokens_per_turn, self.max_context_tokens, self.command_timeout_s,
-                           self.trajectory_timeout_s, self.max_parse_error_turns)
+                           self.trajectory_timeout_s, self.max_parse_error_turns,
+                           max_observation_tokens=self.max_observation_tokens)
 
     def scaffold_obj(self):
         from jaxrl_term.agent.actions import make_scaffold
@@ -423,6 +425,10 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
 
     if cfg.agent.scaffold not in SCAFFOLDS:
         bad("agent.scaffold", f"{cfg.agent.scaffold!r}", f"use one of {sorted(SCAFFOLDS)}")
+    mot = cfg.agent.max_observation_tokens
+    if mot is not None and not 0 < mot < cfg.agent.max_context_tokens:
+        bad("agent.max_observation_tokens", f"{mot}", f"use a positive number below agent.max_context_tokens "
+            f"({cfg.agent.max_context_tokens}), or null for a quarter of it")
     if cfg.sandbox.backend not in ("docker", "local", "auto"):
         bad("sandbox.backend", f"{cfg.sandbox.backend!r}", "use docker, local or auto")
     if cfg.reward.scoring not in ("weighted", "binary"):

@@ -194,13 +194,14 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
     if tokenizer is not None:
         ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
         default_stop = tuple(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
-    if weight_version is not None:
-        engine.weight_version = weight_version
+    # SGLang's weight_version is any string; the engine orders its versions as integers (a generation reports the
+    # older of its submission and output versions): each load gets the next integer, mapped back to its string
+    names = {engine.weight_version: str(engine.weight_version if weight_version is None else weight_version)}
     context = engine.cfg.max_seq_len
     pool = engine.cfg.max_batch * engine.cfg.max_seq_len  # SGLang's max_total_num_tokens
     max_req_input_len = min(context - 1, pool - 1) - 5
     # model_path and weight_version as the tokenizer manager knows them (updated only by a successful update)
-    state = {"model_path": model_path, "weight_version": str(engine.weight_version), "released": set()}
+    state = {"model_path": model_path, "weight_version": names[engine.weight_version], "released": set()}
     adm = Admission()
 
     def err(msg: str, code: int = 400) -> JSONResponse:
@@ -241,7 +242,8 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             "e2e_latency": time.monotonic() - t0,
         }
         if rules.weight_version:
-            meta["weight_version"] = str(gen.weight_version)  # the version when the output was produced
+            # the version when the output was produced
+            meta["weight_version"] = names.get(gen.weight_version, str(gen.weight_version))
         if return_logprob:
             meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(gen.output_logprobs, gen.output_ids)]
             meta["input_token_logprobs"] = []
@@ -316,7 +318,9 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             try:
                 if not Path(path).is_dir():
                     raise EngineError(f"model_path {path!r} is not a directory", retryable=False)
-                await engine.update_weights(path, version if version is not None else engine.weight_version)
+                n = max(names) + 1
+                names[n] = str(version) if version is not None else state["weight_version"]
+                await engine.update_weights(path, n)
                 while engine.pending_update and await engine.health():
                     await asyncio.sleep(0.005)
             except EngineError as e:

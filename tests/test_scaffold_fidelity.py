@@ -376,3 +376,14 @@ def test_tmax_ends_when_the_marker_appears_in_an_output(qwen3, sandbox_backend):
                "THOUGHT: never reached.\n\n" + call("bash", {"command": "printf no"})]
     traj = run(qwen3, "tmax", replies, sandbox_backend)
     assert traj.end_reason == "finished" and len(traj.turns) == 1
+
+
+def test_tmax_marker_in_the_elided_middle_of_an_output_does_not_end(qwen3, sandbox_backend):
+    # the original looks for the marker in the tool message it sends, after its 5k + 5k head/tail cut
+    middle = ("head -c 6000 /dev/zero | tr '\\0' a; echo; echo COMPLETE_TASK_AND_SUBMIT_$(echo FINAL_OUTPUT); "
+              "head -c 6000 /dev/zero | tr '\\0' b")
+    replies = ["THOUGHT: a long output.\n\n" + call("bash", {"command": middle}),
+               "THOUGHT: still here.\n\n" + call("bash", {"command": "printf more"})]
+    traj = run(qwen3, "tmax", replies, sandbox_backend, max_turns=2)
+    assert traj.end_reason == "max_turns" and len(traj.turns) == 2, (traj.end_reason, traj.error)
+    assert MARKER not in traj.messages[3]["content"] and "chars elided" in traj.messages[3]["content"]

@@ -13,7 +13,7 @@ Facts kept from the original:
 - a reply without a (valid) call gets a format-error message as a user turn; a call to another tool, or one
   whose arguments are unusable, gets it as a tool turn; the episode goes on;
 - the episode ends after a command containing ``COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`` runs, or when that
-  marker appears in a command's output.
+  marker appears in the tool message (the output after the cut: a marker in the elided middle does not count).
 
 Ours on top: only the text after the reasoning (up to the first ``</think>``) is searched for calls; an empty or
 non-string ``command`` is a format error (the original would run an empty command or fail).
@@ -111,8 +111,9 @@ class TmaxScaffold(Scaffold):
         return Parsed([Action("bash", checked, json.dumps(first, ensure_ascii=False, default=str))], [], meta=meta)
 
     def finished(self, parsed: Parsed, results: list[ToolResult]) -> bool:
+        # the original looks for the marker in the tool message it built (after its head/tail cut)
         return any(SUBMIT_MARKER in a.args["cmd"] for a in parsed.actions) or \
-            any(SUBMIT_MARKER in r.text for r in results)
+            any(SUBMIT_MARKER in tool_message(r.text, r.exit_code, self.max_observation_chars) for r in results)
 
     def observation_messages(self, parsed: Parsed, results: list[ToolResult]) -> list[dict]:
         if parsed.errors or not results:
