@@ -8,7 +8,6 @@ import random
 import subprocess
 import time
 
-import pytest
 
 from jaxrl_term.sandbox.base import open_sandbox
 from jaxrl_term.sandbox.framing import as_signed, bash_tag_expr, siphash24, tag_words
