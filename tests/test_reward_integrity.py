@@ -113,7 +113,11 @@ def test_every_attack_scores_0_or_is_flagged_and_the_naive_verifier_was_fooled(b
     assert not bad, bad
     assert not [a for a in attempts if a.outcome == "verifier_error"]
     fooled = {a.attack for a in attempts if a.naive == 1.0}
-    assert FOOLED_BEFORE[runner, backend] <= fooled, FOOLED_BEFORE[runner, backend] - fooled  # the attacks are real
+    expected = FOOLED_BEFORE[runner, backend]
+    races = {a.attack for a in attempts if a.cls == "race"}
+    assert expected - races <= fooled, expected - races - fooled  # the attacks are real
+    if expected & races:  # races against the naive verifier are timing-dependent: at least one of them lands
+        assert expected & races & fooled, expected & races
     refused = {a.attack for a in attempts if not a.applied}
     if backend == "docker":
         assert not refused  # root in the container: every tampering step lands
