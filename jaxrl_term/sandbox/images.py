@@ -141,6 +141,21 @@ def _host_has_pytest() -> bool:
         if Path("/usr/bin/python3").exists() else False
 
 
+def ensure_toolkit(install: bool = True) -> bool:
+    """The sandbox toolkit (``toolkit.py``: non-dumpable shell, stdin relay, keep-alive) is compiled by the host's
+    C compiler: install gcc where it is missing (root on Debian), then build it once now, not at the first sandbox."""
+    from jaxrl_term.sandbox import toolkit
+
+    if not (shutil.which("gcc") or shutil.which("cc")) and install and os.geteuid() == 0 and shutil.which("apt-get"):
+        _apt_install(["gcc"])
+    try:
+        toolkit.ensure_host_dir()
+        return True
+    except toolkit.ToolkitError as e:
+        print(f"[jaxrl_term] {e}", file=sys.stderr)
+        return False
+
+
 def ensure_bubblewrap(install: bool = True) -> bool:
     """The local sandbox backend's needs on the host: bwrap, and python3 with pytest, git, tmux for tasks and
     their verifier (installed as root on Debian when missing)."""
@@ -512,6 +527,7 @@ def setup(
 ) -> bool:
     """Engine + base images. Returns True when Docker is ready; False (with a message) when it cannot be."""
     ensure_bubblewrap(install)
+    ensure_toolkit(install)
     try:
         client = ensure_engine(install=install)
     except DockerUnavailable as e:
