@@ -1,5 +1,6 @@
 """Shared fixtures. Eight fake CPU devices are set up before JAX is imported anywhere."""
 
+import contextlib
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -105,3 +106,47 @@ def no_sandbox_left_behind():
             and (int((c.labels or {}).get(LABEL_PID, 0)) == os.getpid()
                  or not _pid_alive(int((c.labels or {}).get(LABEL_PID, 0))))]
     assert not mine, f"sandbox containers left behind: {mine}"
+
+
+@contextlib.contextmanager
+def host_tcp_server():
+    """A TCP server this test starts on every host interface: yields (addresses, port), the host's non-loopback
+    addresses (the Docker bridge gateway first) where a sandbox *with* network would reach it. Proving a sandbox
+    has no network means failing to reach this server, never an outside address."""
+    import socket
+    import subprocess
+    import threading
+
+    srv = socket.create_server(("0.0.0.0", 0))
+    port = srv.getsockname()[1]
+    stop = threading.Event()
+
+    def serve():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+                conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n")  # curl-valid
+                conn.close()
+            except OSError:
+                pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    addrs = []
+    try:
+        out = subprocess.run(["docker", "network", "inspect", "bridge", "-f",
+                              "{{range .IPAM.Config}}{{.Gateway}} {{end}}"], capture_output=True, text=True)
+        addrs += out.stdout.split()
+    except OSError:
+        pass
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True)
+    addrs += [a for a in out.stdout.split() if ":" not in a and a not in addrs]
+    try:
+        with socket.create_connection((addrs[0], port), timeout=3) as c:  # positive control: it is reachable
+            assert c.recv(12) == b"HTTP/1.0 200"
+        yield addrs, port
+    finally:
+        stop.set()
+        t.join()
+        srv.close()

@@ -18,9 +18,12 @@ def _run(client, image, cmd):
 
 
 def test_trixie_runs_python_and_pytest_without_network(docker_client):
-    out = _run(docker_client, "jaxrl-term/base:trixie",
-               "python3 -c 'import sys; print(sys.version_info[:2])' && pytest --version && "
-               "(curl -sS -m 3 http://deb.debian.org >/dev/null 2>&1 && echo NET || echo NONET)")
+    from conftest import host_tcp_server
+
+    with host_tcp_server() as (addrs, port):  # a server this test started on the host
+        out = _run(docker_client, "jaxrl-term/base:trixie",
+                   "python3 -c 'import sys; print(sys.version_info[:2])' && pytest --version && "
+                   f"(curl -sS -m 3 http://{addrs[0]}:{port} >/dev/null 2>&1 && echo NET || echo NONET)")
     assert "(3, 13)" in out
     assert "pytest" in out
     assert out.strip().endswith("NONET")

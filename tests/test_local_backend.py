@@ -20,7 +20,11 @@ from conftest import need
 from jaxrl_term.sandbox import confine as cf
 from jaxrl_term.sandbox.base import SandboxError, open_sandbox
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
+@pytest.fixture(autouse=True)
+def _bwrap():
+    from conftest import need
+
+    need(shutil.which("bwrap") is not None, "bubblewrap (bwrap) is not installed")  # under CI=true: a failure
 
 
 def run(coro):
