@@ -296,7 +296,10 @@ class TrainerCfg:
     keep_checkpoints: int = 3
     resume: str = "auto"  # auto (if the run dir has checkpoints) | true | false
     export_final: bool = True  # write the final policy as an HF directory
-    trajectory_samples: int = 2  # trajectories per step written to trajectories/step_N.jsonl
+    trajectory_samples: int = -1  # episodes per step saved as transcripts (trajectories/step_N.jsonl); -1 = all
+    eval_every: int = 0  # held-out evaluation (eval.*) every N steps; 0 = never
+    eval_before_train: bool = False  # also evaluate the starting policy (after the warm start), as step 0
+    report: bool = True  # write run_dir/report.html and report.md at the end
     buckets: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768, 65536])
     pack: bool = False
     log_param_digest: bool = False
@@ -305,6 +308,37 @@ class TrainerCfg:
     dry_run: bool = False  # check the config (preflight) and exit
     warm_start: WarmStartCfg = field(default_factory=WarmStartCfg)
     cluster: ClusterCfg = field(default_factory=ClusterCfg)
+
+
+@dataclasses.dataclass
+class EvalCfg:
+    """Evaluation: ``python -m jaxrl_term.eval`` (tasks from ``data.*``) and the held-out evaluation during
+    training (tasks from ``eval.data``)."""
+
+    attempts: int = 1  # k attempts per task (pass@1 over them, unbiased pass@k)
+    concurrency: int = 4  # attempts in flight
+    max_retries: int = 2  # an attempt the infrastructure broke (engine, sandbox, verifier) is re-run, then dropped
+    temperature: Optional[float] = None  # null: rollout.temperature
+    top_p: Optional[float] = None  # null: rollout.top_p
+    seed: int = 0  # attempt j of task t samples with a seed derived from (seed, t, j): reruns are identical
+    progress: bool = True  # a progress bar (tasks done, pass rate so far, ETA)
+    report: bool = True  # write run_dir/report.html and report.md at the end
+    data: DataCfg = field(default_factory=lambda: DataCfg(source="builtin", split="heldout", n_per_cell=1))
+
+
+@dataclasses.dataclass
+class PolicyCfg:
+    """What ``python -m jaxrl_term.eval`` evaluates (``policy=NAME``, conf/policy/)."""
+
+    kind: str = "checkpoint"  # oracle | nop | checkpoint | sglang | openai
+    path: Optional[str] = None  # checkpoint: a run dir, its checkpoints/ dir or a step dir (orbax), or an HF dir;
+    #                             null = the model config's weights (model.path, or random init)
+    step: Optional[int] = None  # orbax step; null = the latest
+    base_url: Optional[str] = None  # openai: e.g. https://api.openai.com/v1 (…/v1 of any compatible server)
+    model: Optional[str] = None  # openai: the model name sent with each request
+    api_key_env: Optional[str] = "OPENAI_API_KEY"  # openai: the environment variable holding the key (null: none)
+    request_timeout_s: float = 300.0
+    max_retries: int = 4  # openai: 429 / 5xx / connection errors, with backoff (Retry-After honoured)
 
 
 @dataclasses.dataclass
@@ -319,6 +353,7 @@ class WandbCfg:
 class LoggingCfg:
     tensorboard: bool = True
     console: bool = True
+    text_samples: int = 2  # episodes per step also logged as text (TensorBoard / wandb)
     wandb: WandbCfg = field(default_factory=WandbCfg)
 
 
@@ -335,9 +370,17 @@ class Config:
     reward: RewardCfg = field(default_factory=RewardCfg)
     trainer: TrainerCfg = field(default_factory=TrainerCfg)
     logging: LoggingCfg = field(default_factory=LoggingCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+
+
+@dataclasses.dataclass
+class EvalRunConfig(Config):
+    """``python -m jaxrl_term.eval``: the training config groups plus the policy under evaluation."""
+
+    policy: PolicyCfg = field(default_factory=PolicyCfg)
 
 
 class ConfigError(ValueError):
@@ -455,6 +498,21 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
         bad("trainer.resume", f"{cfg.trainer.resume!r}", "use auto, true or false")
     if cfg.trainer.max_consecutive_skips < 1:
         bad("trainer.max_consecutive_skips", f"{cfg.trainer.max_consecutive_skips} must be >= 1")
+    if cfg.trainer.eval_every < 0:
+        bad("trainer.eval_every", f"{cfg.trainer.eval_every} must be >= 0", "0 turns the held-out evaluation off")
+    if cfg.trainer.trajectory_samples < -1:
+        bad("trainer.trajectory_samples", f"{cfg.trainer.trajectory_samples}", "use -1 (all), 0 (none) or a count")
+    ev = cfg.eval
+    if ev.attempts < 1:
+        bad("eval.attempts", f"{ev.attempts} must be >= 1")
+    if ev.concurrency < 1:
+        bad("eval.concurrency", f"{ev.concurrency} must be >= 1")
+    if ev.max_retries < 0:
+        bad("eval.max_retries", f"{ev.max_retries} must be >= 0")
+    if ev.top_p is not None and not 0 < ev.top_p <= 1:
+        bad("eval.top_p", f"{ev.top_p} must be in (0, 1]")
+    if ev.temperature is not None and ev.temperature < 0:
+        bad("eval.temperature", f"{ev.temperature} must be >= 0")
     if not need_paths:
         return out
     # -- paths ----------------------------------------------------------------------------------------
@@ -478,24 +536,36 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
             bad("model.tokenizer", "cannot be resolved", "give model.tokenizer=DIR, tiny or qwen3")
     if tok and tok not in ("tiny", "qwen3") and not (Path(os.path.expanduser(tok)) / "tokenizer.json").is_file():
         bad("model.tokenizer", f"{tok} has no tokenizer.json", "give an HF tokenizer directory, or tiny / qwen3")
-    src = cfg.data.source
+    data_problems(cfg.data, "data", bad)
+    if cfg.trainer.eval_every or cfg.trainer.eval_before_train:
+        data_problems(cfg.eval.data, "eval.data", bad)
+    return out
+
+
+def data_problems(data, prefix: str, bad) -> None:
+    """Problems of a task source (``data`` or ``eval.data``): a missing source, an unknown split/family/
+    difficulty of the built-in tasks, a path that does not exist."""
+    import os
+    from pathlib import Path
+
+    src = data.source
     if src in (None, ""):
-        bad("data.source", "missing: give the tasks", "a task directory, a TB-RL .csv, a .parquet or builtin[:split]")
+        bad(f"{prefix}.source", "missing: give the tasks", "a task directory, a TB-RL .csv, a .parquet or builtin[:split]")
     elif str(src).startswith("builtin"):
         from jaxrl_term.tasks.builtin import DIFFICULTIES, FAMILIES, SPLITS
 
-        split = str(src).partition(":")[2] or cfg.data.split
+        split = str(src).partition(":")[2] or data.split
         if split not in SPLITS:
-            bad("data.split" if ":" not in str(src) else "data.source", f"split {split!r}", f"use one of {SPLITS}")
-        for f in cfg.data.families or ():
+            bad(f"{prefix}.split" if ":" not in str(src) else f"{prefix}.source", f"split {split!r}",
+                f"use one of {SPLITS}")
+        for f in data.families or ():
             if f not in FAMILIES:
-                bad("data.families", f"{f!r} is not a built-in family", f"use some of {sorted(FAMILIES)}")
-        for d in cfg.data.difficulties or ():
+                bad(f"{prefix}.families", f"{f!r} is not a built-in family", f"use some of {sorted(FAMILIES)}")
+        for d in data.difficulties or ():
             if d not in DIFFICULTIES:
-                bad("data.difficulties", f"{d!r}", f"use some of {DIFFICULTIES}")
+                bad(f"{prefix}.difficulties", f"{d!r}", f"use some of {DIFFICULTIES}")
     elif not Path(os.path.expanduser(str(src))).exists():
-        bad("data.source", f"{src} does not exist", "a task directory, a TB-RL .csv, a .parquet or builtin[:split]")
-    return out
+        bad(f"{prefix}.source", f"{src} does not exist", "a task directory, a TB-RL .csv, a .parquet or builtin[:split]")
 
 
 def format_problems(problems) -> str:
@@ -512,6 +582,7 @@ def validate(cfg, *, need_paths: bool = True, training: bool = True) -> None:
 def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    cs.store(name="eval_config_schema", node=EvalRunConfig)
 
 
 def preflight_for_plan(cfg) -> None:

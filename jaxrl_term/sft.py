@@ -10,8 +10,10 @@ default uses it: a random tiny model never produces a command, so RL would see n
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
+import time
 from collections.abc import Sequence
 
 from jaxrl_term.agent.actions import make_scaffold
@@ -135,7 +137,12 @@ async def warm_start(cfg, *, tokenizer, arch, opts, mesh, rules, init_params, ta
         log.info("warm start: cached fine-tuned weights %s", cache)
         model = load_pretrained(cache, param_dtype=opts.param_dtype, compute_dtype=opts.compute_dtype, mesh=mesh,
                                 rules=rules, options=opts)
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param)), {"warm_start/cached": True}
+        info = {"warm_start/cached": True, "warm_start/cache": str(cache)}
+        if (cache / "warm_start.json").is_file():  # what the run that filled the cache measured
+            info.update({k: v for k, v in json.loads((cache / "warm_start.json").read_text()).items()
+                         if k != "warm_start/cached"})
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param)), info
+    t0 = time.monotonic()
     arrays = None
     if channel.lead:
         agent = OmegaConf.to_object(cfg.agent)
@@ -153,5 +160,9 @@ async def warm_start(cfg, *, tokenizer, arch, opts, mesh, rules, init_params, ta
     state, losses = await asyncio.to_thread(finetune, sft_ts, state, demos, steps=ws.steps, batch_size=ws.batch_size,
                                             seed=cfg.seed, buckets=tuple(cfg.trainer.buckets))
     await asyncio.to_thread(save_pretrained, sft_ts.model(state.params), cache, "float32")  # collective
-    return state.params, {"warm_start/demonstrations": len(demos), "warm_start/loss_first": losses[0],
-                          "warm_start/loss_last": losses[-1]}
+    info = {"warm_start/cached": False, "warm_start/demonstrations": len(demos), "warm_start/steps": ws.steps,
+            "warm_start/loss_first": losses[0], "warm_start/loss_last": losses[-1],
+            "warm_start/losses": [float(x) for x in losses], "warm_start/seconds": time.monotonic() - t0}
+    if channel.lead:
+        (cache / "warm_start.json").write_text(json.dumps(info))
+    return state.params, info

@@ -69,6 +69,24 @@ def resolve_backend(name: str) -> str:
         return "local"
 
 
+def sandbox_backend(sb) -> tuple[str, object | None]:
+    """(backend, image builder) for ``sandbox.*``, after reaping what earlier (killed) runs left behind."""
+    backend, builder = resolve_backend(sb.backend), None
+    if backend == "local":
+        from jaxrl_term.sandbox.local import reap as reap_local
+
+        reap_local()
+    if backend == "docker":
+        from jaxrl_term.sandbox.docker import reap
+        from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP, ImageBuilder
+
+        reap()
+        image_map = [tuple(x) for x in sb.image_map] or DEFAULT_IMAGE_MAP
+        builder = ImageBuilder(image_map=image_map, ca_bundle=sb.extra_ca_bundle,
+                               max_parallel_builds=sb.max_parallel_builds)
+    return backend, builder
+
+
 def params_digest(params) -> str:
     """A hash of every parameter's bytes. Collective in multi-process runs (every process must call it)."""
     import jax
@@ -177,6 +195,8 @@ class Trainer:
             log.info("resumed from %s at step %d (data cursor %d)", self.run_dir / "checkpoints", self.start_step,
                      self.start_seq)
         self.engine = self.backend = self.builder = self.reward = None
+        self.heldout: list = []  # eval.data's tasks (process 0)
+        self.evals: dict[int, dict] = {}  # step -> held-out summary
 
     # -- weights -------------------------------------------------------------------------------------
     def reference_params(self, params):
@@ -249,20 +269,48 @@ class Trainer:
 
     def make_builder(self):
         """Process 0's sandbox backend and image builder (reaping leftovers of earlier runs first)."""
-        sb = self.cfg.sandbox
-        self.backend, self.builder = resolve_backend(sb.backend), None
-        if self.backend == "local":
-            from jaxrl_term.sandbox.local import reap as reap_local
+        self.backend, self.builder = sandbox_backend(self.cfg.sandbox)
 
-            reap_local()
-        if self.backend == "docker":
-            from jaxrl_term.sandbox.docker import reap
-            from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP, ImageBuilder
+    # -- held-out evaluation -------------------------------------------------------------------------
+    def load_heldout(self, train_tasks) -> list:
+        """``eval.data``'s tasks, when an evaluation is asked for; none of them may be a training task."""
+        from jaxrl_term.tasks.dataset import load_dataset
 
-            reap()
-            image_map = [tuple(x) for x in sb.image_map] or DEFAULT_IMAGE_MAP
-            self.builder = ImageBuilder(image_map=image_map, ca_bundle=sb.extra_ca_bundle,
-                                        max_parallel_builds=sb.max_parallel_builds)
+        tcfg = self.cfg.trainer
+        if not (tcfg.eval_every or tcfg.eval_before_train):
+            return []
+        data = OmegaConf.to_container(self.cfg.eval.data)
+        tasks = load_dataset(data.pop("source"), **data)
+        overlap = {t.id for t in tasks} & {t.id for t in train_tasks}
+        if overlap:
+            raise ValueError(f"eval.data: {len(overlap)} held-out task(s) are also training tasks (e.g. "
+                             f"{sorted(overlap)[0]}); exclude them (eval.data.exclude_ids / data.exclude_ids) or "
+                             "use a disjoint split (builtin: data.split=train, eval.data.split=heldout)")
+        return tasks
+
+    async def evaluate(self, step: int) -> dict:
+        """Held-out evaluation of the engine's current weights (``step`` updates applied): results in
+        run_dir/eval/step_N/ (resumable), ``eval/*`` in the metrics sinks, a few transcripts as text."""
+        from jaxrl_term.agent.transcript import read_jsonl
+        from jaxrl_term.eval.run import held_out
+
+        out = self.run_dir / "eval" / f"step_{step:06d}"
+        log.info("held-out evaluation at step %d: %d task(s) x %d attempt(s) -> %s", step, len(self.heldout),
+                 self.cfg.eval.attempts, out)
+        t0 = time.monotonic()
+        s = await held_out(self.cfg, self.heldout, out, engine=self.engine, tokenizer=self.tok, backend=self.backend,
+                           builder=self.builder, reward_fn=self.reward, step=step)
+        m = {f"eval/{k}": s[k] for k in ("pass@1", "pass@1_std", "pass@k", "k", "tasks", "attempts",
+                                          "attempts_invalid", "reward_mean", "turns_mean", "tokens_mean")}
+        m.update({f"eval/failure/{k}": v for k, v in s["failure_modes"].items()})
+        m.update({f"eval/pass@1/{d}": g["pass@1"] for d, g in s["by_difficulty"].items() if d != "None"})
+        m["eval/seconds"] = time.monotonic() - t0
+        self.metrics.log(step, m)
+        self.log_text(step, "eval", read_jsonl(out / "transcripts.jsonl"))
+        log.info("held-out pass@1 at step %d: %.3f (pass@%d %.3f) over %d task(s)", step, s["pass@1"] or 0.0,
+                 s["k"], s["pass@k"] or 0.0, s["tasks"])
+        self.evals[step] = s
+        return s
 
     # -- one step ---------------------------------------------------------------------------------
     _skips = 0
@@ -295,16 +343,33 @@ class Trainer:
                            pack=self.cfg.trainer.pack, vocab_size=self.arch.vocab_size)
         return batch, rewards, adv
 
-    def write_samples(self, step: int, groups) -> None:
-        from jaxrl_term.agent.trajectory import write_jsonl
+    def write_samples(self, step: int, groups, advantages) -> None:
+        """The step's episodes as transcripts (``trainer.trajectory_samples`` of them, -1 = all) and their token
+        ids in a separate file; the first ``logging.text_samples`` also as text to TensorBoard / wandb."""
+        from jaxrl_term.agent.transcript import Verdict, tokens_record, transcript, write_jsonl
 
         k = self.cfg.trainer.trajectory_samples
-        if k <= 0 or not self.lead:
+        if k == 0 or not self.lead:
             return
-        picked = [t for g in groups for t in g.trajectories][:k]
-        for t in picked:
-            t.meta["decoded"] = self.tok.decode(t.token_ids, skip_special_tokens=False)
-        write_jsonl(self.run_dir / "trajectories" / f"step_{step:06d}.jsonl", picked, append=False)
+        rows = [(g, i, t, float(a)) for g, adv in zip(groups, advantages)
+                for i, (t, a) in enumerate(zip(g.trajectories, adv))]
+        rows = rows if k < 0 else rows[:k]
+        out = self.run_dir / "trajectories" / f"step_{step:06d}"
+        trs, toks = [], []
+        for g, i, t, a in rows:
+            rid = f"step-{step}/group-{g.seq}/{i}"
+            trs.append(transcript(t, g.task, id=rid, attempt=i, step=step, group=g.seq, policy="train", advantage=a,
+                                  result=Verdict(t.reward_parts)))
+            toks.append(tokens_record(rid, t))
+        write_jsonl(f"{out}.jsonl", trs)
+        write_jsonl(f"{out}.tokens.jsonl", toks)
+        self.log_text(step, "episodes", trs)
+
+    def log_text(self, step: int, tag: str, transcripts) -> None:
+        from jaxrl_term.agent.transcript import to_markdown
+
+        for i, tr in enumerate(transcripts[: self.cfg.logging.text_samples]):
+            self.metrics.log_text(step, f"{tag}/{i}", to_markdown(tr))
 
     def step_metrics(self, step, groups, rewards, hist, times, pipeline) -> dict:
         import numpy as np
@@ -356,6 +421,7 @@ class Trainer:
         if self.lead:
             data = OmegaConf.to_container(cfg.data)
             tasks = load_dataset(data.pop("source"), **data)
+            self.heldout = self.load_heldout(tasks)
             self.make_builder()
         warm = {}
         resumed = self.state is not None
@@ -385,6 +451,8 @@ class Trainer:
             log.info("run dir %s: %d tasks, %s sandboxes, engine %s, %d process(es), steps %d..%d", self.run_dir,
                      len(tasks), self.backend, cfg.rollout.engine, ch.count, self.start_step, tcfg.steps)
             pipeline.start()
+            if tcfg.eval_before_train and self.start_step == 0:
+                await self.evaluate(0)
         t_run = time.monotonic()
         history: list[dict] = []
         step, done = self.start_step, False
@@ -393,10 +461,10 @@ class Trainer:
         try:
             for step in range(self.start_step, tcfg.steps):
                 t0 = time.monotonic()
-                arrays = meta = groups = rewards = None
+                arrays = meta = groups = rewards = adv = None
                 if self.lead:
                     groups = await pipeline.get_batch(step)
-                    batch, rewards, _ = self.build_batch(groups, step)
+                    batch, rewards, adv = self.build_batch(groups, step)
                     arrays, meta = batch_arrays(batch), {"seq": pipeline.consumed}
                     if time_share:  # the servers are idle (synchronous run): free their memory for the update
                         await self.engine.release_memory()
@@ -414,6 +482,9 @@ class Trainer:
                 if self.lead:
                     await pipeline.set_policy_version(step + 1)
                 t3 = time.monotonic()
+                if self.lead and tcfg.eval_every and ((step + 1) % tcfg.eval_every == 0 or step + 1 == tcfg.steps):
+                    await self.evaluate(step + 1)  # the weights after step + 1 updates, before the checkpoint
+                t3e = time.monotonic()
                 if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
                     self.ckpt.save(step + 1, self.state, {"step": step + 1, "seq": int(meta["seq"]),
                                                           "policy_version": step + 1})
@@ -426,9 +497,9 @@ class Trainer:
                 t4 = time.monotonic()
                 digest = params_digest(self.state.params) if tcfg.log_param_digest else None  # collective
                 if self.lead:
-                    self.write_samples(step, groups)
+                    self.write_samples(step, groups, adv)
                     times = {"rollout_wait_s": t1 - t0, "update_s": t2 - t1, "weight_sync_s": t3 - t2,
-                             "checkpoint_s": t4 - t3, "step_s": time.monotonic() - t0, "overlap_s": overlap,
+                             "eval_s": t3e - t3, "checkpoint_s": t4 - t3e, "step_s": time.monotonic() - t0, "overlap_s": overlap,
                              "overlap_frac": overlap / max(t2 - t1, 1e-9)}
                     m = self.step_metrics(step, groups, rewards, hist, times, pipeline)
                     m["train/consecutive_skips"] = skips
@@ -441,7 +512,8 @@ class Trainer:
             if self.lead and not done:  # followers may be waiting for this step's batch: tell them to stop
                 ch.broadcast_arrays(f"batch/{step}", None, {"stop": True})
             await self.close(pipeline)
-        out = {"run_dir": str(self.run_dir), "steps": tcfg.steps, "start_step": self.start_step, **warm,
+        out = {"run_dir": str(self.run_dir), "steps": tcfg.steps, "start_step": self.start_step,
+               **{k: v for k, v in warm.items() if not isinstance(v, list)},
                "seconds": time.monotonic() - t_run, "metrics": str(self.run_dir / "metrics.jsonl"),
                "trajectories": str(self.run_dir / "trajectories"), "checkpoints": self.ckpt.all_steps(),
                "processes": ch.count}
@@ -454,6 +526,8 @@ class Trainer:
                                                   tokenizer_dir=self.tok_path))  # collective
         if history:
             out["reward_first"], out["reward_last"] = history[0]["reward/mean"], history[-1]["reward/mean"]
+        if self.evals:
+            out["heldout_pass@1"] = {s: e["pass@1"] for s, e in sorted(self.evals.items())}
         self.ckpt.close()
         self.metrics.close()
         return out
@@ -503,8 +577,14 @@ def main(cfg: Config) -> None:
     trainer = Trainer(cfg)
     summary = asyncio.run(trainer.run())
     if trainer.lead:
+        if cfg.trainer.report:
+            from jaxrl_term.report import write_report
+
+            summary["report"] = str(write_report(cfg.run_dir))
         (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
         print_summary(summary)
+        if "report" in summary:
+            print(f"report: {summary['report']}")
 
 
 HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve",

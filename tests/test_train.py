@@ -23,7 +23,8 @@ CLUSTER = PRESETS[1:]
 QUICK = ["+experiment=tiny_cpu", "trainer.warm_start.enabled=false", "agent.max_turns=2",
          "agent.max_tokens_per_turn=24", "trainer.groups_per_step=2", "algo.group_size=2", "sandbox.backend=local",
          "trainer.drop_zero_variance=false", "logging.tensorboard=false", "logging.console=false",
-         "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]"]
+         "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]", "trainer.eval_every=0",
+         "trainer.eval_before_train=false", "trainer.report=false"]
 
 
 def compose_preset(name, overrides=()):

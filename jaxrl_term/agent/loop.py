@@ -149,6 +149,10 @@ async def run_episode(
         return traj
 
     session = f"{task.id}/{uuid.uuid4().hex[:12]}"
+    chat = getattr(engine, "chat", None)  # chat-level engines get messages (OpenAIChatEngine)
+    if chat is not None and scaffold.tools:
+        raise ValueError(f"scaffold {scaffold.name!r} calls tools through the chat template; a chat endpoint "
+                         "needs a text scaffold (agent=bash or tbrl)")
     if len(ids) + limits.min_new_tokens > limits.max_context_tokens:
         return end("context_full", f"the prompt alone has {len(ids)} tokens")
     parse_streak = 0
@@ -166,7 +170,12 @@ async def run_episode(
                                   seed=seed)
         t0 = time.monotonic()
         try:
-            gen = await asyncio.wait_for(engine.generate(list(ids), params, session=session), remaining)
+            if chat is not None:  # a chat endpoint (evaluation): the conversation as messages
+                request = chat([{"role": m["role"], "content": m["content"]} for m in messages], params,
+                               session=session)
+            else:
+                request = engine.generate(list(ids), params, session=session)
+            gen = await asyncio.wait_for(request, remaining)
         except asyncio.TimeoutError:
             return end("timeout", "the episode's wall-clock limit ran out while the engine was generating")
         except EngineError as e:
@@ -184,7 +193,8 @@ async def run_episode(
         mask.extend([1] * len(out))
         logprobs.extend(float(x) for x in gen.output_logprobs)
         closed = out[-1] == delta.eos_id  # any other stop (or none) is closed by the observation's delta
-        text = tokenizer.decode(out[:-1] if out[-1] in stop_ids else out, skip_special_tokens=False)
+        text = gen.text if gen.text is not None else \
+            tokenizer.decode(out[:-1] if out[-1] in stop_ids else out, skip_special_tokens=False)
         parsed: Parsed = scaffold.parse(text)
         messages.append(clean_value(scaffold.assistant_message(text, parsed)))
         record = TurnRecord(turn, start, len(out), 0, text,

@@ -44,6 +44,7 @@ class Generation:
     matched_stop: int | str | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    text: str | None = None  # a chat engine's reply as text (the ids then only count tokens)
 
     def __post_init__(self):
         if len(self.output_ids) != len(self.output_logprobs):

@@ -123,8 +123,10 @@ def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> 
     cl = client_ or client()
     filters = {"label": [LABEL_RUN if run_id is None else f"{LABEL_RUN}={run_id}"]}
     removed = 0
-    for c in cl.containers.list(all=True, filters=filters):
-        labels = c.labels or {}
+    # sparse: the list call alone (labels included); a full listing inspects each container and fails on one
+    # that another process removes meanwhile
+    for c in cl.containers.list(all=True, filters=filters, sparse=True):
+        labels = c.attrs.get("Labels") or {}
         if not all_runs and run_id is None and owner_gone(labels) is not True:
             continue
         try:
@@ -146,7 +148,8 @@ def _reap_own() -> None:
     sandboxes already; this catches what an exception path skipped)."""
     try:
         mine = {LABEL_MACHINE: machine_id(), LABEL_PID: str(os.getpid())}
-        for c in client().containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in mine.items()]}):
+        for c in client().containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in mine.items()]},
+                                          sparse=True):
             c.remove(force=True, v=True)
     except Exception:  # noqa: BLE001 - best effort at exit: the next start-up's reap catches the rest
         pass

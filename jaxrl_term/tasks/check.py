@@ -37,11 +37,12 @@ class CheckResult:
         return sorted(n for n, ok in self.passed.items() if ok) if self.agent == "nop" else []
 
 
-async def run_oracle(task: Task, sb) -> None:
+async def run_oracle(task: Task, sb):
+    """Copy the task's solution into /solution and run its entry script in the agent's shell (its result)."""
     assert task.solution is not None
     for rel, blob in task.solution.files.items():
         await sb.write_file(f"/solution/{rel}", blob.data, blob.mode)
-    await sb.run(f"bash /solution/{task.solution.entry}", timeout_s=task.agent_timeout_s)
+    return await sb.run(f"bash /solution/{task.solution.entry}", timeout_s=task.agent_timeout_s)
 
 
 async def check_task(task: Task, agent: str, *, backend: str = "docker", builder=None, scoring: str = "weighted",

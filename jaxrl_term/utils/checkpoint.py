@@ -60,6 +60,25 @@ class Checkpointer:
         out = self._mngr.restore(int(step), args=args)
         return out.state, dict(out.meta or {})
 
+    def restore_params(self, target: Any, step: int | None = None) -> tuple[Any, int]:
+        """Only the policy's parameters of a saved train state (no optimizer state is read): ``target`` is a
+        pytree of ``jax.ShapeDtypeStruct`` (with shardings) shaped like ``TrainState.params``. Returns
+        (params, step). For evaluation and export, whatever optimizer the run used."""
+        import jax
+
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{self.directory}: no checkpoint to restore")
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"{self.directory}: no step {step} (have {self.all_steps()})")
+        restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=getattr(s, "sharding", None),
+                                                                   global_shape=s.shape, dtype=s.dtype), target)
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item={"params": target},
+                                                               restore_args={"params": restore_args},
+                                                               partial_restore=True))
+        out = self._mngr.restore(int(step), args=args)
+        return out.state["params"], int(step)
+
     def wait(self) -> None:
         self._mngr.wait_until_finished()
 

@@ -3,6 +3,7 @@ sampled trajectories per step as JSONL for inspection."""
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import math
@@ -50,9 +51,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=str) + "\n")
+        from jaxrl_term.agent.transcript import dumps
+
+        with open(self.path, "a") as f:  # strict JSON: a non-finite number is null
+            f.write(dumps({"step": step, **metrics}) + "\n")
         scalars = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None and not isinstance(v, bool)}
         if self._tb is not None:
             for k, v in scalars.items():
@@ -62,6 +64,17 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
         if self.console:
             self._print(step, metrics)
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """A transcript (markdown) for TensorBoard's text tab and wandb; nothing when neither is on."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+        if self._wandb is not None:
+            import wandb as wb
+
+            self._wandb.log({tag: wb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def _print(self, step: int, m: Mapping[str, Any]) -> None:
         from rich.console import Console

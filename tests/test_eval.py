@@ -1,0 +1,343 @@
+"""Evaluation: pass@k for any policy (``python -m jaxrl_term.eval``), resumable, and held-out evaluation during
+training. The harness agents must score 1 (oracle) and 0 (nop) on sound tasks of every format; one checkpoint
+through the embedded engine, through ``jaxrl_term.serve`` + the SGLang client, and loaded from orbax or HF
+gives the same per-task results at temperature 0."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import REPO
+from jaxrl_term.agent.transcript import read_jsonl, to_markdown
+from jaxrl_term.eval.core import failure_mode, pass_at_k, summarize
+
+FIXTURES = REPO / "tests" / "fixtures" / "tasks"  # a Harbor task and a Terminal-Bench 1 task
+
+
+ENV = {**os.environ, "XLA_FLAGS": ""}  # one CPU device in the processes these tests start
+
+
+def _eval(args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "jaxrl_term.eval", "eval.progress=false", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------ pass@k
+
+
+def test_pass_at_k_is_the_unbiased_estimator_on_a_hand_computed_example():
+    # n = 5 attempts, c = 2 passed: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; pass@3 = 1 - 1/10
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    assert pass_at_k(5, 2, 4) == 1.0  # fewer than k failures: every k-subset holds a pass
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 4, 1) == 1.0
+    for n in range(1, 9):  # against the definition: the fraction of k-subsets with at least one pass
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
+
+
+def test_summary_pass_at_1_spread_pass_at_k_and_failure_modes_by_hand():
+    def rec(task, j, ok, diff, fail=None):
+        return {"task": task, "attempt": j, "pass": ok, "reward": float(ok), "difficulty": diff, "category": "c",
+                "failure": fail, "turns": 2, "tokens": 100}
+
+    # task a: 2 of 3 pass; task b: 0 of 3 (one agent timeout, two max turns); task c: 3 of 3
+    records = [rec("a", 0, True, "easy"), rec("a", 1, False, "easy", "tests_failed"), rec("a", 2, True, "easy"),
+               rec("b", 0, False, "hard", "agent_timeout"), rec("b", 1, False, "hard", "max_turns"),
+               rec("b", 2, False, "hard", "max_turns"),
+               rec("c", 0, True, "easy"), rec("c", 1, True, "easy"), rec("c", 2, True, "easy")]
+    s = summarize(records, 3, invalid=[{"task": "b", "attempt": 3, "failure": "engine_error"}])
+    assert s["pass@1"] == pytest.approx((2 / 3 + 0 + 1) / 3)
+    per_index = [2 / 3, 1 / 3, 2 / 3]  # the pass rate of attempt 0, 1, 2 over the tasks
+    assert s["pass@1_per_attempt"] == pytest.approx(per_index)
+    mean = sum(per_index) / 3
+    assert s["pass@1_std"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in per_index) / 2))
+    assert s["pass@k"] == pytest.approx((1 + 0 + 1) / 3) and s["k"] == 3
+    assert s["pass_at"]["2"] == pytest.approx((pass_at_k(3, 2, 2) + 0 + 1) / 3)
+    assert s["by_difficulty"]["easy"]["pass@1"] == pytest.approx((2 / 3 + 1) / 2)
+    assert s["by_difficulty"]["hard"]["pass@k"] == 0.0
+    assert s["failure_modes"] == {"tests_failed": 1, "agent_timeout": 1, "max_turns": 2, "engine_error": 1}
+    assert s["per_task"]["a"] == {"attempts": 3, "passes": 2, "pass@1": pytest.approx(2 / 3), "pass@k": 1.0,
+                                  "reward_mean": pytest.approx(2 / 3), "difficulty": "easy", "category": "c"}
+    assert s["attempts_invalid"] == 1
+    assert failure_mode("timeout", "scored", False) == "agent_timeout"
+    assert failure_mode("finished", "test_timeout", False) == "test_timeout"
+    assert failure_mode("finished", "scored", True) is None
+
+
+# ------------------------------------------------------------------------------------- harness agents
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("source", ["builtin", "folders"])
+def test_oracle_scores_1_and_nop_scores_0_on_heldout_harbor_and_tb1_tasks(docker_client, tmp_path, source):
+    data = ["data.difficulties=[easy,medium,hard]", "data.limit=6"] if source == "builtin" else \
+        [f"data.source={FIXTURES}"]
+    for policy, want in (("oracle", 1.0), ("nop", 0.0)):
+        out = tmp_path / policy
+        r = _eval([f"policy={policy}", *data, "eval.attempts=2", f"run_dir={out}", "eval.report=false",
+                   "sandbox.backend=docker"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        s = _summary(out)
+        assert s["pass@1"] == want and s["pass@k"] == want, (policy, s["failure_modes"], s["per_task"])
+        assert s["attempts"] == 2 * s["tasks"] and s["attempts_invalid"] == 0
+        if source == "folders":
+            formats = {json.loads(line)["task"] for line in (out / "attempts.jsonl").read_text().splitlines()}
+            assert formats == {"harbor-json-keys", "tb1-word-count"}
+        trs = read_jsonl(out / "transcripts.jsonl")
+        assert len(trs) == s["attempts"] and all("token_ids" not in t for t in trs)
+        if policy == "oracle":  # the solution script and its output are in the transcript
+            assert all(t["turns"][0]["actions"][0]["tool"] == "bash" and t["tests"] and all(t["tests"].values())
+                       for t in trs)
+
+
+def test_bad_eval_config_exits_2_naming_the_key_before_any_run_dir(tmp_path):
+    cases = [(["policy=bogus"], "In 'eval_config': Could not find 'policy/bogus'"),
+             (["policy=openai", "policy.model=m"], "policy.base_url"),
+             (["policy=checkpoint", f"policy.path={tmp_path / 'nowhere'}"], "policy.path"),
+             (["policy=sglang"], "rollout.sglang.urls"),
+             (["policy=nop", "eval.attempts=0"], "eval.attempts"),
+             (["policy=nop", f"data.source={tmp_path / 'no_tasks'}"], "data.source")]
+    for args, key in cases:
+        out = tmp_path / "run"
+        r = _eval([*args, f"run_dir={out}"], timeout=120)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert f"config error: {key}" in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------- resumability
+
+
+@pytest.mark.docker
+def test_a_killed_eval_restarted_reruns_no_finished_attempt(docker_client, tmp_path):
+    out = tmp_path / "run"
+    args = ["policy=oracle", "data.difficulties=[easy]", "data.limit=4", "eval.attempts=2", "eval.concurrency=1",
+            f"run_dir={out}", "eval.report=false", "sandbox.backend=docker"]
+    p = subprocess.Popen([sys.executable, "-m", "jaxrl_term.eval", "eval.progress=false", *args], cwd=REPO,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(read_jsonl(out / "attempts.jsonl")) < 3:
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        p.wait()
+    before = read_jsonl(out / "attempts.jsonl")
+    assert 3 <= len(before) < 8, len(before)
+    r = _eval(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = read_jsonl(out / "attempts.jsonl")
+    keys = [(a["task"], a["attempt"]) for a in after]
+    assert len(keys) == len(set(keys)) == 8
+    by_key = {(a["task"], a["attempt"]): a for a in after}
+    for b in before:  # finished attempts are kept as they were (same wall time: not run again)
+        assert by_key[(b["task"], b["attempt"])] == b
+    s = _summary(out)
+    assert s["attempts_run"] == 8 - len(before) and s["pass@1"] == 1.0
+    ids = [t["id"] for t in read_jsonl(out / "transcripts.jsonl")]
+    assert sorted(ids) == sorted(a["id"] for a in after)  # one transcript per finished attempt, no orphan
+
+
+# --------------------------------------------------------------------- one checkpoint, every engine path
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random policy as an HF dir (with its tokenizer) and as an orbax train-state checkpoint (step 3)."""
+    import jax
+    from flax import nnx
+
+    from jaxrl_term.config import model_from_cfg
+    from jaxrl_term.model.hf import save_pretrained
+    from jaxrl_term.model.qwen3 import create_model
+    from jaxrl_term.parallel.mesh import make_mesh
+    from jaxrl_term.plan import compose
+    from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
+    from jaxrl_term.utils.checkpoint import Checkpointer
+
+    root = tmp_path_factory.mktemp("tiny_policy")
+    arch, opts = model_from_cfg(compose([]).model)
+    model = create_model(arch, opts, seed=7)
+    hf = save_pretrained(model, root / "hf", "float32", tokenizer_dir=tiny_tokenizer_dir)
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    ts = make_train_step(arch, AlgoConfig(), OptimConfig(), mesh, options=opts)
+    state = ts.init_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)), seed=0)
+    with Checkpointer(root / "run" / "checkpoints") as ck:
+        ck.save(3, state, {"step": 3})
+    return Path(hf), root / "run"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.docker
+def test_checkpoint_embedded_served_and_orbax_give_identical_results_at_temperature_0(docker_client, tmp_path,
+                                                                                      tiny_checkpoint):
+    hf, run = tiny_checkpoint
+    common = ["agent.max_turns=3", "agent.max_tokens_per_turn=32", "agent.max_context_tokens=4096",
+              "eval.temperature=0", "eval.concurrency=1", "data.difficulties=[easy]", "data.limit=3",
+              "eval.report=false", "sandbox.backend=docker", f"model.tokenizer={hf}", "rollout.jax.max_batch=2",
+              "rollout.jax.max_seq_len=4096"]
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "jaxrl_term.serve", "--model-dir", str(hf), "--port", str(port),
+                               "--context-length", "4096", "--enable-deterministic-inference"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=ENV)
+    try:
+        runs = {"hf": ["policy=checkpoint", f"policy.path={hf}", "trainer.deterministic_engine=true", "agent=tmax"],
+                "orbax": ["policy=checkpoint", f"policy.path={run}", "trainer.deterministic_engine=true", "agent=tmax"]}
+        results = {}
+        for name, args in runs.items():
+            r = _eval([*args, *common, f"run_dir={tmp_path / name}"])
+            assert r.returncode == 0, (name, r.stderr[-3000:])
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        url = f"http://127.0.0.1:{port}"
+        r = _eval(["policy=sglang", f"rollout.sglang.urls=[{url}]", "agent=tmax", *common,
+                   f"run_dir={tmp_path / 'sglang'}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        # the same policy as a chat endpoint (OpenAI-compatible /v1) through a text scaffold
+        r = _eval(["policy=openai", "agent=bash", f"policy.base_url={url}/v1", "policy.model=tiny",
+                   "policy.api_key_env=null", *common, f"run_dir={tmp_path / 'openai'}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(30)
+    for name in ("hf", "orbax", "sglang"):
+        trs = sorted(read_jsonl(tmp_path / name / "transcripts.jsonl"), key=lambda t: t["id"])
+        results[name] = [(t["task"], t["pass"], t["end_reason"], t["tokens"], [u["reply"] for u in t["turns"]])
+                         for t in trs]
+        assert len(results[name]) == 3
+    assert results["hf"] == results["orbax"], "the orbax checkpoint and the HF export are not the same policy"
+    assert results["hf"] == results["sglang"], "the embedded engine and serve + SGLang client differ at temperature 0"
+    assert any(len(r[4]) > 1 for r in results["hf"])  # multi-turn: observations went back to the model
+    chat = read_jsonl(tmp_path / "openai" / "transcripts.jsonl")
+    assert len(chat) == 3 and all(t["turns"] and t["end_reason"] in ("no_action", "max_turns", "parse_errors",
+                                                                      "finished") for t in chat), chat
+    assert _summary(tmp_path / "orbax")["step"] == 3
+
+
+# ------------------------------------------------------------------------------- during training
+
+
+@pytest.mark.docker
+def test_training_evaluates_heldout_tasks_and_saves_readable_transcripts(docker_client, tmp_path):
+    out = tmp_path / "run"
+    args = ["+experiment=tiny_cpu", "trainer.warm_start.enabled=false", "agent.max_turns=2",
+            "agent.max_tokens_per_turn=24", "trainer.groups_per_step=2", "algo.group_size=2",
+            "trainer.drop_zero_variance=false", "logging.console=false", "rollout.jax.max_seq_len=2048",
+            "trainer.buckets=[1024,2048]", "trainer.steps=2", "trainer.eval_before_train=true",
+            "trainer.eval_every=2", "eval.data.limit=2", "trainer.report=false", "sandbox.backend=docker",
+            f"run_dir={out}"]
+    r = subprocess.run([sys.executable, "-m", "jaxrl_term.train", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=900, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = read_jsonl(out / "metrics.jsonl")
+    evals = {m["step"]: m for m in lines if "eval/pass@1" in m}
+    assert sorted(evals) == [0, 2]
+    for step, m in evals.items():
+        s = _summary(out / "eval" / f"step_{step:06d}")
+        assert m["eval/pass@1"] == s["pass@1"] and s["tasks"] == 2 and s["step"] == step
+        assert 0.0 <= s["pass@1"] <= 1.0
+    trained = {tid for m in lines for tid in m.get("task_ids", [])}
+    heldout = {t["task"] for t in read_jsonl(out / "eval" / "step_000000" / "transcripts.jsonl")}
+    assert trained and len(heldout) == 2 and not heldout & trained  # never evaluated on a training task
+    for step in (0, 1):  # every episode of the step (2 groups x 2), readable, with token ids kept apart
+        trs = read_jsonl(out / "trajectories" / f"step_{step:06d}.jsonl")
+        toks = read_jsonl(out / "trajectories" / f"step_{step:06d}.tokens.jsonl")
+        assert len(trs) == len(toks) == 4
+        assert [t["id"] for t in trs] == [t["id"] for t in toks]
+        for t in trs:
+            assert "token_ids" not in t and t["instruction"] and t["turns"] and "advantage" in t
+            assert t["reward_parts"]["outcome"] == "scored" and isinstance(t["tests"], dict) and t["tests"]
+            assert t["step"] == step
+        assert all(len(k["token_ids"]) == len(k["loss_mask"]) for k in toks)
+        md = to_markdown(trs[0])
+        assert trs[0]["instruction"][:40] in md and "Turn 0" in md
+    ws = [m for m in lines if m["step"] == -1]
+    assert not ws  # the warm start is off here
+
+
+def test_openai_chat_engine_retries_429_and_5xx_but_not_a_bad_request(tiny_tokenizer_dir):
+    """Against a local HTTP server: 429 (Retry-After) and 503 are retried, the answer's text comes back with ids
+    under our tokenizer closed by <|im_end|>; a 400 is the request's fault and is raised at once."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.rollout.engine import EngineError, SamplingParams
+    from jaxrl_term.rollout.openai_chat import OpenAIChatEngine
+
+    script = [(429, {"Retry-After": "0"}), (503, {}), (200, {})]
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append({"body": body, "auth": self.headers.get("Authorization")})
+            status, headers = script.pop(0) if script else (400, {})
+            payload = {"choices": [{"message": {"role": "assistant", "content": "```bash\nls <|im_end|>\n```"},
+                                    "finish_reason": "stop"}]} if status == 200 else {"error": "no"}
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    eng = OpenAIChatEngine(f"http://127.0.0.1:{srv.server_address[1]}/v1", "m", tok, api_key="k", backoff_s=0.01)
+
+    async def go():
+        msgs = [{"role": "user", "content": "hi"}]
+        gen = await eng.chat(msgs, SamplingParams(temperature=0.0, max_new_tokens=64, seed=5))
+        with pytest.raises(EngineError) as e:
+            await eng.chat(msgs, SamplingParams(max_new_tokens=8))
+        await eng.aclose()
+        return gen, e.value
+
+    try:
+        gen, err = asyncio.run(go())
+    finally:
+        srv.shutdown()
+    assert gen.text == "```bash\nls <|im_end|>\n```" and gen.finish_reason == "stop"
+    assert gen.output_ids[-1] == eng.eos_id and gen.output_ids.count(eng.eos_id) == 1  # the text's is plain text
+    assert len(seen) == 4 and not err.retryable and "HTTP 400" in str(err)
+    assert seen[0]["auth"] == "Bearer k" and seen[0]["body"]["seed"] == 5 and seen[0]["body"]["max_tokens"] == 64
