@@ -331,7 +331,7 @@ async def _oracle_episode(task: Task, sb, run_oracle):
     out = {"tool": "bash", "ok": getattr(res, "exit_code", 0) == 0, "text": getattr(res, "output", "") or "",
            "exit_code": getattr(res, "exit_code", None), "timed_out": bool(getattr(res, "timed_out", False)),
            "duration_s": time.monotonic() - t0}
-    turn = TurnRecord(0, 0, 0, 0, "(the task's oracle solution)", [{"tool": "bash", "args": {"command": script}}],
+    turn = TurnRecord(0, 0, 0, 0, "(the task's oracle solution)", [{"tool": "bash", "args": {"cmd": script}}],
                       [], [out], "oracle", 0.0, time.monotonic() - t0)
     return Trajectory(task.id, "oracle", [], [], [], 0, [], [turn], "oracle", duration_s=time.monotonic() - t0)
 
