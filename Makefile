@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup sandbox train test bench clean
+.PHONY: setup sandbox browser train test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,10 +25,16 @@ setup: $(STAMP)
 sandbox: setup
 	$(BIN)/python -m jaxrl_term.sandbox.images setup $$( [ "$${CI:-}" = true ] && echo --require )
 
+# Chromium for the report's browser test (Playwright drives the system browser; nothing is downloaded by it).
+browser: setup
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null; } || \
+		echo "[jaxrl_term] chromium missing: the report's browser test skips (and fails under CI=true)"
+
 train: sandbox
 	$(BIN)/python -m jaxrl_term.train +experiment=tiny_cpu $(ARGS)
 
-test: sandbox
+test: sandbox browser
 	$(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
 
 bench: setup

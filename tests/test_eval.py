@@ -288,6 +288,9 @@ def test_training_evaluates_heldout_tasks_and_saves_readable_transcripts(docker_
         assert trs[0]["instruction"][:40] in md and "Turn 0" in md
     ws = [m for m in lines if m["step"] == -1]
     assert not ws  # the warm start is off here
+    # a few transcripts as text in TensorBoard (the tags are in the event file's records)
+    events = b"".join(f.read_bytes() for f in (out / "tensorboard").iterdir())
+    assert b"episodes/0" in events and b"eval/0" in events and b"eval/pass@1" in events
 
 
 def test_openai_chat_engine_retries_429_and_5xx_but_not_a_bad_request(tiny_tokenizer_dir):
