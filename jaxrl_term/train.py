@@ -563,7 +563,7 @@ def main(cfg: Config) -> None:
     from jaxrl_term.sandbox.base import unwind_on_sigterm
 
     unwind_on_sigterm()  # SIGTERM closes sandboxes and servers like an exception would
-    for noisy in ("httpx", "absl", "jax._src.xla_bridge", "orbax"):
+    for noisy in ("httpx", "absl", "jax._src.xla_bridge", "orbax", "tensorboardX"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     problems = preflight(cfg)  # a sweep's jobs, and anything the early check could not see
     if problems:

@@ -81,8 +81,13 @@ class MetricsLogger:
 
         keys = [("reward/mean", "reward"), ("reward/pass_rate", "pass"), ("train/loss", "loss"),
                 ("train/grad_norm", "|g|"), ("train/logp_gap_max", "gap"), ("episode/turns_mean", "turns"),
-                ("time/step_s", "step s"), ("time/overlap_frac", "overlap")]
-        parts = [f"[bold]step {step}[/bold]"]
+                ("time/step_s", "step s"), ("time/overlap_frac", "overlap"), ("eval/pass@1", "held-out pass@1"),
+                ("eval/pass@k", "pass@k"), ("eval/tasks", "tasks"), ("eval/seconds", "eval s"),
+                ("warm_start/loss_first", "SFT loss first"), ("warm_start/loss_last", "last"),
+                ("warm_start/seconds", "seconds")]
+        label = "warm start" if any(k.startswith("warm_start/") for k in m) else \
+            "held-out eval, step" if "eval/pass@1" in m else "step"
+        parts = [f"[bold]{label}{'' if label == 'warm start' else f' {step}'}[/bold]"]
         for k, short in keys:
             if k in m and _scalar(m[k]) is not None:
                 parts.append(f"{short} {float(m[k]):.4g}")
