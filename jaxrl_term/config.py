@@ -377,6 +377,22 @@ class Config:
 
 
 @dataclasses.dataclass
+class SFTCfg:
+    """``python -m jaxrl_term.sft``: supervised fine-tuning on demonstrations; writes run_dir/hf_final."""
+
+    source: str = "oracle"  # oracle (the training tasks' solutions, data.*) | a train / eval run dir | a .jsonl
+    min_reward: float = 1.0  # run dirs: episodes with at least this reward
+    steps: int = 150
+    lr: float = 1e-3
+    batch_size: int = 8
+
+
+@dataclasses.dataclass
+class SFTRunConfig(Config):
+    sft: SFTCfg = field(default_factory=SFTCfg)
+
+
+@dataclasses.dataclass
 class EvalRunConfig(Config):
     """``python -m jaxrl_term.eval``: the training config groups plus the policy under evaluation."""
 
@@ -583,6 +599,7 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(name="eval_config_schema", node=EvalRunConfig)
+    cs.store(name="sft_config_schema", node=SFTRunConfig)
 
 
 def preflight_for_plan(cfg) -> None:

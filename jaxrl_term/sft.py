@@ -166,3 +166,146 @@ async def warm_start(cfg, *, tokenizer, arch, opts, mesh, rules, init_params, ta
     if channel.lead:
         (cache / "warm_start.json").write_text(json.dumps(info))
     return state.params, info
+
+
+# ------------------------------------------------------------------------------- python -m jaxrl_term.sft
+
+
+def episodes_from(source: str, *, min_reward: float = 1.0) -> list:
+    """Demonstrations (``token_ids`` + ``loss_mask``) from a run dir or a JSONL file:
+
+    - an evaluation run dir (``tokens.jsonl`` + ``attempts.jsonl``): the attempts with reward >= ``min_reward``;
+    - a training run dir (``trajectories/step_N.tokens.jsonl`` + ``step_N.jsonl``): the episodes with reward >=
+      ``min_reward`` (held-out evaluations under ``eval/`` are never used);
+    - a ``.jsonl`` file of ``{"token_ids", "loss_mask"}`` records (a teacher's trajectories): all of them.
+    The loss is on the policy's tokens (``loss_mask`` 1) only."""
+    import types
+    from pathlib import Path
+
+    from jaxrl_term.agent.transcript import read_jsonl
+
+    p = Path(source).expanduser()
+
+    def demo(r: dict):
+        if len(r.get("token_ids") or []) != len(r.get("loss_mask") or []) or not any(r.get("loss_mask") or []):
+            return None
+        return types.SimpleNamespace(token_ids=list(r["token_ids"]), loss_mask=list(r["loss_mask"]))
+
+    if p.is_file():
+        found = [demo(r) for r in read_jsonl(p)]
+    elif (p / "tokens.jsonl").is_file() or (p / "attempts.jsonl").is_file():
+        good = {a["id"] for a in read_jsonl(p / "attempts.jsonl") if (a.get("reward") or 0.0) >= min_reward}
+        found = [demo(r) for r in read_jsonl(p / "tokens.jsonl") if r.get("id") in good]
+    elif (p / "trajectories").is_dir():
+        found = []
+        for f in sorted((p / "trajectories").glob("step_*.tokens.jsonl")):
+            good = {t["id"] for t in read_jsonl(str(f).replace(".tokens.jsonl", ".jsonl"))
+                    if (t.get("reward") or 0.0) >= min_reward}
+            found += [demo(r) for r in read_jsonl(f) if r.get("id") in good]
+    else:
+        raise FileNotFoundError(f"sft.source={source}: not a run dir of jaxrl_term.eval (tokens.jsonl) or "
+                                "jaxrl_term.train (trajectories/), nor a .jsonl of token_ids + loss_mask records")
+    out = [d for d in found if d is not None]
+    if not out:
+        raise ValueError(f"sft.source={source}: no episode with reward >= sft.min_reward={min_reward} and policy "
+                         "tokens (oracle / nop evaluations keep no tokens: use sft.source=oracle)")
+    return out
+
+
+async def run_sft(cfg) -> dict:
+    """Fine-tune the model config's weights on demonstrations (``sft.source``); write ``run_dir/hf_final``."""
+    import os
+    from pathlib import Path
+
+    from flax import nnx
+    from omegaconf import OmegaConf
+
+    from jaxrl_term.agent.transcript import dumps
+    from jaxrl_term.model.hf import save_pretrained
+    from jaxrl_term.parallel.mesh import LogicalRules, make_mesh
+    from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
+    from jaxrl_term.train import build_model, build_tokenizer, sandbox_backend
+
+    s, run_dir = cfg.sft, Path(cfg.run_dir)
+    mesh = make_mesh(OmegaConf.to_container(cfg.mesh.shape))
+    rules = LogicalRules.from_mapping(OmegaConf.to_container(cfg.mesh.rules) if cfg.mesh.rules else None)
+    tok, tok_path = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
+    model = build_model(cfg, mesh, rules)
+    t0 = time.monotonic()
+    if s.source == "oracle":
+        from jaxrl_term.tasks.dataset import load_dataset
+
+        data = OmegaConf.to_container(cfg.data)
+        tasks = load_dataset(data.pop("source"), **data)
+        backend, builder = sandbox_backend(cfg.sandbox)
+        agent, sb = OmegaConf.to_object(cfg.agent), OmegaConf.to_object(cfg.sandbox)
+        demos = await collect_demonstrations(tasks, scaffold=agent.scaffold, tokenizer=tok, limits=agent.limits(),
+                                             backend=backend, builder=builder, sandbox_limits=sb.limits(),
+                                             enable_thinking=agent.enable_thinking)
+        log.info("sft: %d oracle demonstrations from %d training tasks", len(demos), len(tasks))
+    else:
+        demos = episodes_from(s.source, min_reward=s.min_reward)
+        log.info("sft: %d episodes from %s", len(demos), s.source)
+    if not demos:
+        raise ValueError("sft: no demonstrations (did every oracle fail?)")
+    top = max(max(d.token_ids) for d in demos)
+    if top >= model.config.vocab_size:
+        raise ValueError(f"sft.source={s.source}: token id {top} >= model.vocab_size={model.config.vocab_size}: "
+                         "the episodes were tokenized for another model")
+    ts = make_train_step(model.config, AlgoConfig(name="sft", loss="nll", microbatches=cfg.algo.microbatches),
+                         OptimConfig(lr=s.lr, weight_decay=0.0, grad_clip=1.0), mesh, options=model.options,
+                         rules=rules)
+    state = ts.init_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)), seed=cfg.seed)
+    state, losses = await asyncio.to_thread(finetune, ts, state, demos, steps=s.steps, batch_size=s.batch_size,
+                                            seed=cfg.seed, buckets=tuple(cfg.trainer.buckets))
+    dtype = "float32" if model.options.param_dtype == "float32" else "bfloat16"
+    out = save_pretrained(ts.model(state.params), run_dir / "hf_final", dtype, tokenizer_dir=tok_path)
+    info = {"source": s.source, "demonstrations": len(demos), "steps": s.steps, "loss_first": float(losses[0]),
+            "loss_last": float(losses[-1]), "seconds": time.monotonic() - t0, "hf_final": str(out)}
+    (run_dir / "metrics.jsonl").write_text(dumps({"step": -1, **{f"warm_start/{k}": v for k, v in info.items()},
+                                                  "warm_start/losses": [float(x) for x in losses]}) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def main() -> None:
+    import sys
+
+    import hydra
+    from omegaconf import OmegaConf
+
+    from jaxrl_term.config import format_problems, preflight, register
+    from jaxrl_term.train import CONF_DIR
+
+    register()
+
+    @hydra.main(config_path=CONF_DIR, config_name="sft_config", version_base="1.3")
+    def _main(cfg) -> None:
+        from pathlib import Path
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        problems = [p for p in preflight(cfg, training=False) if cfg.sft.source == "oracle" or
+                    not p[0].startswith("data.")]
+        if cfg.sft.steps < 1:
+            problems.append(("sft.steps", f"{cfg.sft.steps} must be >= 1", ""))
+        if cfg.sft.source != "oracle" and not Path(cfg.sft.source).expanduser().exists():
+            problems.append(("sft.source", f"{cfg.sft.source} does not exist", "oracle, a run dir of train / eval, "
+                             "or a .jsonl of token_ids + loss_mask"))
+        if problems:
+            print(format_problems(problems), file=sys.stderr)
+            sys.exit(2)
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        info = asyncio.run(run_sft(cfg))
+        print(json.dumps(info, indent=2))
+        print(f"fine-tuned policy: {info['hf_final']} (train: model.path=..., eval: policy=checkpoint "
+              "policy.path=...)")
+
+    _main()
+
+
+if __name__ == "__main__":
+    from jaxrl_term.utils.cli import guard
+
+    sys_exit = guard(main)()
+    raise SystemExit(sys_exit)
