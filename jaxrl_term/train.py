@@ -578,10 +578,12 @@ def main(cfg: Config) -> None:
     summary = asyncio.run(trainer.run())
     if trainer.lead:
         if cfg.trainer.report:
+            summary["report"] = str(Path(cfg.run_dir) / "report.html")
+        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.trainer.report:  # after summary.json: the report reads it
             from jaxrl_term.report import write_report
 
-            summary["report"] = str(write_report(cfg.run_dir))
-        (Path(cfg.run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_report(cfg.run_dir)
         print_summary(summary)
         if "report" in summary:
             print(f"report: {summary['report']}")
