@@ -113,7 +113,10 @@ def test_oracle_scores_1_and_nop_scores_0_on_heldout_harbor_and_tb1_tasks(docker
 
 
 def test_bad_eval_config_exits_2_naming_the_key_before_any_run_dir(tmp_path):
-    cases = [(["policy=bogus"], "In 'eval_config': Could not find 'policy/bogus'"),
+    other = tmp_path / "other_run"  # a training run of a wider model
+    (other / "checkpoints" / "3").mkdir(parents=True)
+    (other / "config.yaml").write_text("model:\n  name: wide\n  hidden_size: 128\n")
+    cases = [(["policy=checkpoint", f"policy.path={other}"], "model: policy.path was trained with another model"),(["policy=bogus"], "In 'eval_config': Could not find 'policy/bogus'"),
              (["policy=openai", "policy.model=m"], "policy.base_url"),
              (["policy=checkpoint", f"policy.path={tmp_path / 'nowhere'}"], "policy.path"),
              (["policy=sglang"], "rollout.sglang.urls"),

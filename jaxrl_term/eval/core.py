@@ -314,6 +314,7 @@ class Evaluator:
                "policy_tokens": traj.num_policy_tokens if traj is not None else 0,
                "parse_errors": sum(bool(t.errors) for t in traj.turns) if traj is not None else 0,
                "wall_s": round(wall_s, 3), "verify_s": round(result.duration_s, 3), "retries": retry,
+               "finished_at": round(time.time(), 3),
                "difficulty": task.difficulty, "category": task.category,
                "error": (traj.error if traj is not None else None) or result.error, **self.extra}
         append_jsonl(self.attempts_path, [rec], sync=True)  # the commit point: a restart skips this attempt

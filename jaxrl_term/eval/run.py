@@ -59,9 +59,11 @@ def policy_problems(cfg) -> list[tuple[str, str, str]]:
                         "step's dir, or an HF model dir"))
         elif not is_hf_dir(path):
             try:
-                orbax_location(path, p.step)
+                ckpt_dir, _ = orbax_location(path, p.step)
             except FileNotFoundError as e:
                 out.append(("policy.path", str(e).removeprefix(f"policy.path={path}: "), ""))
+            else:
+                out += arch_problems(cfg, ckpt_dir.parent / "config.yaml")
     if p.kind == "openai":
         if not p.base_url:
             out.append(("policy.base_url", "missing", "e.g. policy.base_url=https://api.openai.com/v1"))
@@ -77,6 +79,26 @@ def policy_problems(cfg) -> list[tuple[str, str, str]]:
     if p.kind == "sglang" and not list(cfg.rollout.sglang.urls):
         out.append(("rollout.sglang.urls", "empty", "give the servers: rollout.sglang.urls=[http://host:30000]"))
     return out
+
+
+ARCH_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def arch_problems(cfg, run_config: Path) -> list[tuple[str, str, str]]:
+    """The checkpoint's run was trained with another architecture than ``model.*`` says (its config.yaml)."""
+    import yaml
+
+    try:
+        model = (yaml.safe_load(run_config.read_text()) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    diff = [f"model.{k}={model[k]} there, {cfg.model[k]} here" for k in ARCH_KEYS
+            if k in model and model[k] != cfg.model[k]]
+    if not diff:
+        return []
+    return [("model", f"policy.path was trained with another model ({'; '.join(diff)})",
+             f"evaluate with the run's own settings: +experiment=... or model={model.get('name', '...')}")]
 
 
 def apply_hf_path(cfg) -> None:
