@@ -264,7 +264,7 @@ async def run_sft(cfg) -> dict:
             "loss_last": float(losses[-1]), "seconds": time.monotonic() - t0, "hf_final": str(out)}
     (run_dir / "metrics.jsonl").write_text(dumps({"step": -1, **{f"warm_start/{k}": v for k, v in info.items()},
                                                   "warm_start/losses": [float(x) for x in losses]}) + "\n")
-    (run_dir / "summary.json").write_text(json.dumps(info, indent=2))
+    (run_dir / "summary.json").write_text(json.dumps(json.loads(dumps(info)), indent=2, allow_nan=False))
     return info
 
 

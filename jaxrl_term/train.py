@@ -288,6 +288,29 @@ class Trainer:
                              "use a disjoint split (builtin: data.split=train, eval.data.split=heldout)")
         return tasks
 
+    def set_aside_later_evals(self) -> None:
+        """A resumed run's evaluations after its checkpoint were made with weights it no longer has (killed
+        between an evaluation and its checkpoint): move them to eval/stale/ so none of their attempts is reused."""
+        root = self.run_dir / "eval"
+        if not root.is_dir():
+            return
+        for d in sorted(root.glob("step_*")):
+            if d.is_dir() and d.name[5:].isdigit() and int(d.name[5:]) > self.start_step:
+                dest = root / "stale" / f"{d.name}.{int(time.time())}"
+                dest.parent.mkdir(exist_ok=True)
+                d.rename(dest)
+                log.warning("%s was evaluated with weights past the checkpoint at step %d: moved to %s", d,
+                            self.start_step, dest)
+
+    _eval_reward = None
+
+    def eval_mixer(self):
+        """The held-out evaluation's reward mixer: its own judge client, so its calls and costs stay out of the
+        training metrics."""
+        if self._eval_reward is None:
+            self._eval_reward = OmegaConf.to_object(self.cfg.reward).mixer()
+        return self._eval_reward
+
     async def evaluate(self, step: int) -> dict:
         """Held-out evaluation of the engine's current weights (``step`` updates applied): results in
         run_dir/eval/step_N/ (resumable), ``eval/*`` in the metrics sinks, a few transcripts as text."""
@@ -299,18 +322,29 @@ class Trainer:
                  self.cfg.eval.attempts, out)
         t0 = time.monotonic()
         s = await held_out(self.cfg, self.heldout, out, engine=self.engine, tokenizer=self.tok, backend=self.backend,
-                           builder=self.builder, reward_fn=self.reward, step=step)
+                           builder=self.builder, reward_fn=self.eval_mixer(), step=step)
         m = {f"eval/{k}": s[k] for k in ("pass@1", "pass@1_std", "pass@k", "k", "tasks", "attempts",
                                           "attempts_invalid", "reward_mean", "turns_mean", "tokens_mean")}
         m.update({f"eval/failure/{k}": v for k, v in s["failure_modes"].items()})
         m.update({f"eval/pass@1/{d}": g["pass@1"] for d, g in s["by_difficulty"].items() if d != "None"})
+        m.update({f"eval/{k}": v for k, v in self._eval_reward.take_stats().items()})  # its own judge stats
         m["eval/seconds"] = time.monotonic() - t0
-        self.metrics.log(step, m)
-        self.log_text(step, "eval", read_jsonl(out / "transcripts.jsonl"))
+        self._eval_pending = (step, m, read_jsonl(out / "transcripts.jsonl"))
         log.info("held-out pass@1 at step %d: %.3f (pass@%d %.3f) over %d task(s)", step, s["pass@1"] or 0.0,
                  s["k"], s["pass@k"] or 0.0, s["tasks"])
         self.evals[step] = s
         return s
+
+    _eval_pending = None
+
+    def flush_eval(self) -> None:
+        """Log the last evaluation's metrics: after the step that produced its weights has logged its own, so
+        every sink (wandb's steps only move forward) sees steps in order."""
+        if self._eval_pending is not None:
+            step, m, transcripts = self._eval_pending
+            self._eval_pending = None
+            self.metrics.log(step, m)
+            self.log_text(step, "eval", transcripts)
 
     # -- one step ---------------------------------------------------------------------------------
     _skips = 0
@@ -422,6 +456,7 @@ class Trainer:
             data = OmegaConf.to_container(cfg.data)
             tasks = load_dataset(data.pop("source"), **data)
             self.heldout = self.load_heldout(tasks)
+            self.set_aside_later_evals()
             self.make_builder()
         warm = {}
         resumed = self.state is not None
@@ -453,6 +488,7 @@ class Trainer:
             pipeline.start()
             if tcfg.eval_before_train and self.start_step == 0:
                 await self.evaluate(0)
+                self.flush_eval()
         t_run = time.monotonic()
         history: list[dict] = []
         step, done = self.start_step, False
@@ -507,8 +543,11 @@ class Trainer:
                         m["params_digest"] = digest
                     self.metrics.log(step, m)
                     history.append(m)
+                    self.flush_eval()
             done = True
         finally:
+            if self.lead:
+                self.flush_eval()  # an evaluation that finished before a failure still reaches the sinks
             if self.lead and not done:  # followers may be waiting for this step's batch: tell them to stop
                 ch.broadcast_arrays(f"batch/{step}", None, {"stop": True})
             await self.close(pipeline)
@@ -535,8 +574,9 @@ class Trainer:
     async def close(self, pipeline) -> None:
         if pipeline is not None:
             await pipeline.stop()
-        if self.reward is not None and self.reward.judge is not None:
-            await self.reward.judge.aclose()
+        for mixer in (self.reward, self._eval_reward):
+            if mixer is not None and mixer.judge is not None:
+                await mixer.judge.aclose()
         self.ckpt.wait()
         if self.engine is not None:
             if self.cfg.rollout.engine == "jax":

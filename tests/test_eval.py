@@ -270,6 +270,7 @@ def test_training_evaluates_heldout_tasks_and_saves_readable_transcripts(docker_
     lines = read_jsonl(out / "metrics.jsonl")
     evals = {m["step"]: m for m in lines if "eval/pass@1" in m}
     assert sorted(evals) == [0, 2]
+    assert [m["step"] for m in lines] == sorted(m["step"] for m in lines)  # wandb's steps only move forward
     for step, m in evals.items():
         s = _summary(out / "eval" / f"step_{step:06d}")
         assert m["eval/pass@1"] == s["pass@1"] and s["tasks"] == 2 and s["step"] == step
@@ -349,3 +350,109 @@ def test_openai_chat_engine_retries_429_and_5xx_but_not_a_bad_request(tiny_token
     assert gen.output_ids[-1] == eng.eos_id and gen.output_ids.count(eng.eos_id) == 1  # the text's is plain text
     assert len(seen) == 4 and not err.retryable and "HTTP 400" in str(err)
     assert seen[0]["auth"] == "Bearer k" and seen[0]["body"]["seed"] == 5 and seen[0]["body"]["max_tokens"] == 64
+
+
+def test_a_chat_endpoint_that_keeps_failing_is_an_engine_error_and_a_full_context_is_scored(tiny_tokenizer_dir):
+    """Through the agent loop in a real (local) sandbox: an endpoint that answers 503 until the episode's time
+    runs out ends the episode as an engine error (retried or dropped by the evaluator), not as the agent's
+    timeout (scored 0); a 400 saying the conversation exceeds the model's context ends it as context_full."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from jaxrl_term.agent.actions import make_scaffold
+    from jaxrl_term.agent.loop import AgentLimits, run_episode
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.rollout.openai_chat import OpenAIChatEngine
+    from jaxrl_term.tasks.builtin import generate
+    from jaxrl_term.tasks.env import open_task_sandbox
+
+    mode = {"answer": (503, {"error": "overloaded"})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's naming
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, payload = mode["answer"]
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    task = generate("sed_config", "easy", seed=1)
+
+    async def episode(limits):
+        eng = OpenAIChatEngine(f"http://127.0.0.1:{srv.server_address[1]}/v1", "m", tok, backoff_s=0.2,
+                               max_retries=50)
+        try:
+            async with open_task_sandbox(task, backend="local") as sb:
+                return await run_episode(task, eng, sb, tok, make_scaffold("bash"), limits=limits)
+        finally:
+            await eng.aclose()
+
+    try:
+        t0 = time.monotonic()
+        stalled = asyncio.run(episode(AgentLimits(trajectory_timeout_s=2.0, max_context_tokens=4096)))
+        took = time.monotonic() - t0
+        mode["answer"] = (400, {"error": {"code": "context_length_exceeded", "message": "This model's maximum "
+                                          "context length is 4096 tokens. However, you requested 5000 tokens."}})
+        full = asyncio.run(episode(AgentLimits(max_context_tokens=4096)))
+        mode["answer"] = (400, {"error": {"message": "temperature must be >= 0"}})
+        bad = asyncio.run(episode(AgentLimits(max_context_tokens=4096)))
+    finally:
+        srv.shutdown()
+    assert stalled.end_reason == "engine_error" and not stalled.valid and "HTTP 503" in stalled.error, stalled.error
+    assert took < 30  # ended at the deadline, not after the 50 retries
+    assert full.end_reason == "context_full" and full.valid and not full.turns
+    assert bad.end_reason == "engine_error" and "HTTP 400" in bad.error
+
+
+def test_restart_counts_each_dropped_attempt_once_and_forgets_those_finished_since(tmp_path):
+    """invalid.jsonl after a restart: one record per attempt still unfinished (the last), none for an attempt that
+    finished on a later try; transcripts of attempts with no finished record are removed."""
+    from jaxrl_term.agent.transcript import write_jsonl
+    from jaxrl_term.eval.core import EvalSettings, Evaluator
+    from jaxrl_term.tasks.builtin import generate
+
+    task = generate("sed_config", "easy", seed=1)
+    ev = Evaluator([task], tmp_path, policy="nop", settings=EvalSettings(attempts=3, progress=False))
+    t = task.id
+    write_jsonl(tmp_path / "attempts.jsonl", [{"id": f"{t}/attempt-0", "task": t, "attempt": 0, "pass": False,
+                                               "failure": "tests_failed", "reward": 0.0}])
+    with open(tmp_path / "attempts.jsonl", "a") as f:
+        f.write('{"id": "cut by a kill", "ta')
+    write_jsonl(tmp_path / "invalid.jsonl", [
+        {"task": t, "attempt": 0, "failure": "sandbox_error"},  # finished on a later run
+        {"task": t, "attempt": 1, "failure": "sandbox_error"},
+        {"task": t, "attempt": 1, "failure": "engine_error"}])  # the same attempt dropped twice: counted once
+    write_jsonl(tmp_path / "transcripts.jsonl", [{"id": f"{t}/attempt-0"}, {"id": f"{t}/attempt-2"}])
+    done = ev._load()
+    assert done == {(t, 0)}
+    assert [(r["attempt"], r["failure"]) for r in ev.invalid] == [(1, "engine_error")]
+    assert [(r["attempt"], r["failure"]) for r in read_jsonl(tmp_path / "invalid.jsonl")] == [(1, "engine_error")]
+    assert [r["id"] for r in read_jsonl(tmp_path / "transcripts.jsonl")] == [f"{t}/attempt-0"]
+    assert (tmp_path / "attempts.jsonl").read_text().count("\n") == 1  # the cut line is gone
+    s = summarize(ev.records, 3, tasks=[task], invalid=ev.invalid)
+    assert s["attempts_invalid"] == 1 and s["failure_modes"] == {"tests_failed": 1, "engine_error": 1}
+
+
+def test_a_resumed_run_sets_aside_evaluations_made_after_its_checkpoint(tmp_path):
+    """Killed between the evaluation at step 3 and the checkpoint at step 3, a run resumes at step 2: the
+    evaluation of weights it no longer has is moved to eval/stale/, so none of its attempts is reused."""
+    from types import SimpleNamespace
+
+    from jaxrl_term.train import Trainer
+
+    for step in (0, 2, 3):
+        (tmp_path / "eval" / f"step_{step:06d}").mkdir(parents=True)
+        (tmp_path / "eval" / f"step_{step:06d}" / "attempts.jsonl").write_text("{}\n")
+    Trainer.set_aside_later_evals(SimpleNamespace(run_dir=tmp_path, start_step=2))
+    assert sorted(p.name for p in (tmp_path / "eval").glob("step_*")) == ["step_000000", "step_000002"]
+    (stale,) = (tmp_path / "eval" / "stale").iterdir()
+    assert stale.name.startswith("step_000003.") and (stale / "attempts.jsonl").is_file()

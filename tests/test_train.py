@@ -108,7 +108,10 @@ def test_tiny_run_end_to_end_with_async_rollouts(tmp_path):
     assert any(m["time/overlap_s"] > 0 for m in steps)  # rollouts ran during updates
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())[-1] == "3"
     sample = json.loads((run_dir / "trajectories" / "step_000002.jsonl").read_text().splitlines()[0])
-    assert sample["token_ids"] and "<|im_start|>assistant" in sample["meta"]["decoded"]
+    assert sample["instruction"] and sample["turns"] and "token_ids" not in sample  # readable, ids kept apart
+    toks = json.loads((run_dir / "trajectories" / "step_000002.tokens.jsonl").read_text().splitlines()[0])
+    assert toks["id"] == sample["id"] and len(toks["token_ids"]) == len(toks["loss_mask"]) == sample["tokens"]
+    assert 0 < sum(toks["loss_mask"]) == sample["policy_tokens"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["checkpoints"] and Path(summary["hf_final"], "config.json").is_file()
 

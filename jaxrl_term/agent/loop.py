@@ -177,11 +177,15 @@ async def run_episode(
                 request = engine.generate(list(ids), params, session=session)
             gen = await asyncio.wait_for(request, remaining)
         except asyncio.TimeoutError:
+            trouble = engine.trouble(session) if hasattr(engine, "trouble") else None
+            if trouble:  # the engine was retrying when time ran out: the infrastructure's fault, not the policy's
+                return end("engine_error", f"the episode's wall-clock limit ran out while the engine was retrying "
+                                           f"({trouble})")
             return end("timeout", "the episode's wall-clock limit ran out while the engine was generating")
-        except EngineError as e:
-            return end("engine_error", str(e))
         except Exception as e:  # noqa: BLE001 - any engine failure invalidates the trajectory, never scores 0
-            return end("engine_error", f"{type(e).__name__}: {e}")
+            if hasattr(engine, "trouble"):
+                engine.trouble(session)  # forget the session's retries
+            return end("engine_error", str(e) if isinstance(e, EngineError) else f"{type(e).__name__}: {e}")
         gen_s = time.monotonic() - t0
         if gen.finish_reason == "length" and not gen.output_ids:  # the server's context has no room left
             return end("context_full", "no room left in the server's context")

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import OmegaConf
 
 from jaxrl_term.config import format_problems, register
 from jaxrl_term.train import CONF_DIR, HYDRA_FLAGS
@@ -87,7 +86,6 @@ def main(cfg) -> None:
     check(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "eval_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     summary = asyncio.run(run_eval(cfg))
     print_summary(summary, str(run_dir))
     if cfg.eval.report:

@@ -39,8 +39,8 @@ POLICIES = ("oracle", "nop", "checkpoint", "sglang", "openai")
 HARNESS = ("oracle", "nop")
 FAILURE_MODES = ("tests_failed", "agent_timeout", "parse_errors", "context_full", "max_turns", "no_action",
                  "test_timeout", "tampered", "verifier_sabotaged", "engine_error", "sandbox_error", "verifier_error",
-                 "build_error", "no_solution")
-INVALID_MODES = ("engine_error", "sandbox_error", "verifier_error", "build_error", "no_solution")
+                 "build_error", "no_solution", "judge_error")
+INVALID_MODES = ("engine_error", "sandbox_error", "verifier_error", "build_error", "no_solution", "judge_error")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -183,9 +183,8 @@ class Evaluator:
         self.ran = 0  # attempts run by this call (not taken from an earlier one)
 
     # -- resume -----------------------------------------------------------------------------------
-    def _load(self) -> set[tuple[str, int]]:
-        """Finished attempts of an earlier run in this dir; transcripts of unfinished ones are dropped."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+    def check(self) -> None:
+        """Refuse a run dir that holds attempts of another evaluation (before anything is written there)."""
         fp_path = self.dir / "fingerprint.json"
         if fp_path.is_file():
             old = json.loads(fp_path.read_text())
@@ -194,20 +193,32 @@ class Evaluator:
                 what = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in diff.items())
                 raise ValueError(f"{self.dir} holds attempts of another evaluation ({what}); use a new run_dir, "
                                  "or delete it to start over")
+
+    def _load(self) -> set[tuple[str, int]]:
+        """Finished attempts of an earlier run in this dir; transcripts of unfinished ones are dropped."""
+        self.check()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fp_path = self.dir / "fingerprint.json"
         fp_path.write_text(json.dumps(self.fingerprint, indent=2, default=str))
         wanted = {(t.id, j) for t in self.tasks for j in range(self.s.attempts)}
-        kept = [r for r in read_jsonl(self.attempts_path) if (r.get("task"), r.get("attempt")) in wanted]
-        kept = list({(r["task"], r["attempt"]): r for r in kept}.values())
-        done_ids = {r["id"] for r in kept}
-        # rewrite clean: a line cut by a kill, transcripts of attempts that never finished
-        write_jsonl(self.attempts_path, read_jsonl(self.attempts_path))
+        every = read_jsonl(self.attempts_path)  # a line cut by a kill is skipped
+        kept = list({(r["task"], r["attempt"]): r for r in every if (r.get("task"), r.get("attempt")) in wanted
+                     }.values())
+        finished_ids = {r.get("id") for r in every}
+        # rewrite clean: without the cut line, and without transcripts of attempts that never finished
+        write_jsonl(self.attempts_path, every)
         for name in ("transcripts.jsonl", "tokens.jsonl"):
             p = self.dir / name
             if p.exists():
-                write_jsonl(p, [r for r in read_jsonl(p) if r.get("id") in done_ids or r.get("id") not in
-                                {f"{t}/attempt-{j}" for t, j in wanted}])
+                write_jsonl(p, [r for r in read_jsonl(p) if r.get("id") in finished_ids])
+        # an attempt dropped earlier and finished since is no longer invalid; the last record per attempt
+        finished = {(r.get("task"), r.get("attempt")) for r in every}
+        stale = {(r.get("task"), r.get("attempt")): r for r in read_jsonl(self.invalid_path)
+                 if (r.get("task"), r.get("attempt")) not in finished}
+        if self.invalid_path.exists():
+            write_jsonl(self.invalid_path, stale.values())
+        self.invalid = [r for key, r in stale.items() if key in wanted]
         self.records = kept
-        self.invalid = read_jsonl(self.invalid_path)
         return {(r["task"], r["attempt"]) for r in kept}
 
     # -- run --------------------------------------------------------------------------------------
@@ -290,7 +301,12 @@ class Evaluator:
             return "invalid", "verifier_error", result.error or "verifier error"
         reward, parts = result.score, {"tests": result.score}
         if self.reward_fn is not None and traj is not None and self.policy not in HARNESS:
-            (reward, parts), = await self.reward_fn.score_group(task, [traj], [result])
+            try:  # the judge's failure breaks the reward, not the evaluation: retried, then dropped
+                (reward, parts), = await self.reward_fn.score_group(task, [traj], [result])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                return "invalid", "judge_error", f"{type(e).__name__}: {e}"
         parts = {**parts, "outcome": result.outcome, "tests_passed": dict(result.passed)}
         if traj is not None:
             traj.reward, traj.reward_parts = reward, parts

@@ -214,6 +214,9 @@ async def run_eval(cfg) -> dict:
     ev = make_evaluator(cfg, tasks, cfg.run_dir, policy=p.kind, engine=engine, tokenizer=tok, backend=backend,
                         builder=builder, reward_fn=reward, fingerprint=fingerprint)
     try:
+        ev.check()  # before the config is written over the earlier evaluation's
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.run_dir) / "eval_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         summary = await ev.run()
     finally:
         if reward is not None and reward.judge is not None:

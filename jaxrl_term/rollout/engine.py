@@ -63,6 +63,29 @@ class EngineError(RuntimeError):
         self.retryable = retryable
 
 
+class TroubleLog:
+    """What went wrong in a session's request in flight, for an engine that retries inside one request.
+
+    When the agent's deadline cancels a request that was retrying (server errors, 429, lost connections), the
+    episode ran out of time because of the infrastructure, not the policy: the loop asks ``trouble(session)`` and
+    ends the episode as an engine error (retried or dropped) rather than an agent timeout (scored)."""
+
+    def __init__(self) -> None:
+        self._trouble: dict[str, str] = {}
+
+    def note_trouble(self, session: str | None, message: str) -> None:
+        if session is not None:
+            self._trouble[session] = message
+
+    def clear_trouble(self, session: str | None) -> None:
+        if session is not None:
+            self._trouble.pop(session, None)
+
+    def trouble(self, session: str | None) -> str | None:
+        """The last retryable failure of the session's current (or just-cancelled) request; None if none."""
+        return self._trouble.pop(session, None) if session is not None else None
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *,

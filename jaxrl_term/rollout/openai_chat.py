@@ -5,7 +5,9 @@ The agent loop is token-level; a chat engine gets the conversation as messages i
 the reply's text with its ids under *our* tokenizer (special-token strings kept as text), which only serve to
 count tokens for the context and observation budgets. Log-probs are 0 and no weight version is known: such
 episodes are for evaluation, never for training. Retries 429 / 5xx / connection errors with exponential
-backoff (``Retry-After`` honoured); a 4xx other than 408/409/429 is the request's fault and is not retried.
+backoff (``Retry-After`` honoured); a 4xx other than 408/409/429 is the request's fault and is not retried, except
+a 400 saying the conversation exceeds the model's context: that ends the episode as ``context_full`` (scored),
+as a full context does with a token-level engine.
 """
 
 from __future__ import annotations
@@ -14,22 +16,27 @@ import asyncio
 import logging
 import os
 import random
+import re
 from collections.abc import Sequence
 
 import httpx
 
-from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams
+from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams, TroubleLog
 
 log = logging.getLogger(__name__)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+# a 400 that says the conversation is longer than the model's context (OpenAI's code, vLLM's / SGLang's messages)
+CONTEXT_FULL = re.compile(r"context_length_exceeded|maximum context length|longer than the model's context|"
+                          r"context window|prompt is too long", re.IGNORECASE)
 
 
-class OpenAIChatEngine:
+class OpenAIChatEngine(TroubleLog):
     """``chat(messages, sampling)`` -> ``Generation`` (with ``text``) from ``{base_url}/chat/completions``."""
 
     def __init__(self, base_url: str, model: str, tokenizer, *, api_key: str | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 4, backoff_s: float = 1.0,
                  max_backoff_s: float = 60.0):
+        super().__init__()
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.tok = model, tokenizer
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
@@ -51,7 +58,11 @@ class OpenAIChatEngine:
             body["seed"] = sampling.seed
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        data = await self._post(body)
+        self.clear_trouble(session)
+        data = await self._post(body, session)
+        self.clear_trouble(session)
+        if isinstance(data, dict) and data.get("context_full") is True:  # the conversation no longer fits: the episode's context is full
+            return Generation([], [], "length", text="")
         try:
             choice = data["choices"][0]
             text = choice["message"].get("content") or ""
@@ -65,7 +76,7 @@ class OpenAIChatEngine:
         ids = ids + [self.eos_id]
         return Generation(ids, [0.0] * len(ids), "stop", matched_stop=self.eos_id, text=text)
 
-    async def _post(self, body: dict) -> dict:
+    async def _post(self, body: dict, session: str | None = None) -> dict:
         last = ""
         for attempt in range(self.max_retries + 1):
             wait = min(self.max_backoff_s, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
@@ -84,8 +95,11 @@ class OpenAIChatEngine:
                     after = r.headers.get("retry-after")
                     if after and after.replace(".", "", 1).isdigit():
                         wait = min(self.max_backoff_s, float(after))
+                elif r.status_code in (400, 413) and CONTEXT_FULL.search(r.text):
+                    return {"context_full": True}
                 else:
                     raise EngineError(f"{self.url}: HTTP {r.status_code}: {r.text[:300]}", retryable=False)
+            self.note_trouble(session, last)
             if attempt < self.max_retries:
                 log.warning("%s: %s; retrying in %.1fs", self.url, last, wait)
                 await asyncio.sleep(wait)

@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 
-from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams
+from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams, TroubleLog
 
 log = logging.getLogger(__name__)
 ROUTING_HEADER = "X-SMG-Routing-Key"
@@ -147,7 +147,7 @@ class ServerLimits:
         return max(0, min(requested, self.context_length - n_input - 2))
 
 
-class SGLangEngine:
+class SGLangEngine(TroubleLog):
     """``RolloutEngine`` over one or more SGLang (or ``jaxrl_term.serve``) servers."""
 
     def __init__(
@@ -182,6 +182,7 @@ class SGLangEngine:
             timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s), headers=headers,
             transport=transport, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
+        super().__init__()
         self._sessions: dict[str, int] = {}
         self._inflight = [0] * len(self.urls)
         self._down_until = [0.0] * len(self.urls)
@@ -219,6 +220,7 @@ class SGLangEngine:
                 last = EngineError(f"{self.urls[i]}{path}: HTTP {r.status_code}: {r.text[:300]}")
             finally:
                 self._inflight[i] -= 1
+            self.note_trouble(session, f"{self.urls[i]}{path}: {type(last).__name__}: {last}")
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise EngineError(f"{path} failed after {self.max_retries + 1} attempts: {type(last).__name__}: {last}",
@@ -279,6 +281,7 @@ class SGLangEngine:
                        ) -> Generation:
         ids = [int(x) for x in input_ids]
         last = ""
+        self.clear_trouble(session)
         for _ in range(self.abort_retries + 1):
             i = self._pick(session)
             max_new = (await self.limits(i)).max_new_tokens(len(ids), sampling.max_new_tokens)
@@ -297,9 +300,11 @@ class SGLangEngine:
                     reported = gen.weight_version
                     gen = dataclasses.replace(gen, weight_version=submitted if reported is None else
                                               min(submitted, reported))
+                self.clear_trouble(session)
                 return gen
             last = str(fr.get("message", ""))
             self.aborts_retried += 1
+            self.note_trouble(session, f"request aborted by the server ({last})")
             log.info("%s: request aborted (%s); sending it again", self.urls[i], last)
         raise EngineError(f"request aborted by the server {self.abort_retries + 1} times (last: {last})",
                           retryable=True)
