@@ -140,6 +140,7 @@ class JaxEngineCfg:
     prefill_chunk: int = 512
     param_dtype: Optional[str] = None
     prefix_reuse: bool = True
+    decode_steps: int = 16
 
 
 @dataclasses.dataclass
@@ -488,6 +489,10 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
     if mot is not None and not 0 < mot < cfg.agent.max_context_tokens:
         bad("agent.max_observation_tokens", f"{mot}", f"use a positive number below agent.max_context_tokens "
             f"({cfg.agent.max_context_tokens}), or null for a quarter of it")
+    if training and max(cfg.trainer.buckets, default=0) < cfg.agent.max_context_tokens:
+        bad("trainer.buckets", f"the largest length bucket ({max(cfg.trainer.buckets, default=0)}) is shorter than "
+            f"an episode may grow (agent.max_context_tokens={cfg.agent.max_context_tokens})",
+            "add a bucket of at least agent.max_context_tokens, or lower agent.max_context_tokens")
     if cfg.sandbox.backend not in ("docker", "local", "auto"):
         bad("sandbox.backend", f"{cfg.sandbox.backend!r}", "use docker, local or auto")
     if cfg.reward.scoring not in ("weighted", "binary"):

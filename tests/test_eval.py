@@ -261,7 +261,8 @@ def test_training_evaluates_heldout_tasks_and_saves_readable_transcripts(docker_
     args = ["+experiment=tiny_cpu", "trainer.warm_start.enabled=false", "agent.max_turns=2",
             "agent.max_tokens_per_turn=24", "trainer.groups_per_step=2", "algo.group_size=2",
             "trainer.drop_zero_variance=false", "logging.console=false", "rollout.jax.max_seq_len=2048",
-            "trainer.buckets=[1024,2048]", "trainer.steps=2", "trainer.eval_before_train=true",
+            "trainer.buckets=[1024,2048]", "agent.max_context_tokens=2048", "trainer.steps=2",
+            "trainer.eval_before_train=true",
             "trainer.eval_every=2", "eval.data.limit=2", "trainer.report=false", "sandbox.backend=docker",
             f"run_dir={out}"]
     r = subprocess.run([sys.executable, "-m", "jaxrl_term.train", *args], cwd=REPO, capture_output=True, text=True,

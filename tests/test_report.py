@@ -14,7 +14,7 @@ import pytest
 from conftest import need
 
 from jaxrl_term.eval.core import summarize
-from jaxrl_term.report import compare, write_report
+from jaxrl_term.report import compare, summarize_runs, write_report
 from jaxrl_term.report.__main__ import main
 from jaxrl_term.report.html import MAX_TEXT
 
@@ -298,3 +298,26 @@ def test_report_in_headless_chromium_searches_opens_and_shows_output_as_text(tra
         assert errors == []
     png = screenshot(html, tmp_path / "shot.png", EVIL_CMD)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_of_a_sweep_has_one_row_per_job_with_its_overrides(tmp_path: Path, train_dir: Path, capsys):
+    import shutil
+
+    sweep = tmp_path / "multirun"
+    for n, ov in enumerate((["algo=grpo", "algo.group_size=4"], ["algo=dppo", "algo.group_size=8"])):
+        job = sweep / str(n)
+        shutil.copytree(train_dir, job)
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in [*ov, f"run_dir={job}"]))
+    lines = (sweep / "1" / "metrics.jsonl").read_text().replace(f'"eval/pass@1": {PASS1}', '"eval/pass@1": 0.9')
+    (sweep / "1" / "metrics.jsonl").write_text(lines)
+    rows = summarize_runs([sweep])
+    assert [r["overrides"] for r in rows] == [["algo=grpo", "algo.group_size=4"], ["algo=dppo", "algo.group_size=8"]]
+    assert [r["steps"] for r in rows] == [3, 3] and [r["eval_last_step"] for r in rows] == [3, 3]
+    assert rows[0]["eval_last"] == pytest.approx(PASS1) and rows[1]["eval_last"] == pytest.approx(0.9)
+    assert rows[0]["reward_last"] == pytest.approx(0.75)
+    out = tmp_path / "table.md"
+    assert main(["summary", str(sweep), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text == out.read_text() and "algo=dppo algo.group_size=8" in text and "→ 90.0%" in text
+    assert main(["summary", str(tmp_path / "nothing")]) == 2

@@ -395,3 +395,83 @@ def test_sessions_stick_to_a_server_and_new_ones_spread():
 
     run(go())
     assert len(set(hits[0::2])) == 1 and len(set(hits[1::2])) == 1 and set(hits) == {"a", "b"}
+
+
+# ----------------------------------------------------------------------------------------- the sampler
+
+
+def _chi2_ok(counts, probs, z=3.29):
+    """Pearson's chi-square of counts against probs (cells with expected >= 5), below the Wilson-Hilferty
+    approximation of the p = 0.0005 critical value."""
+    n = counts.sum()
+    exp = probs * n
+    keep = exp >= 5
+    obs_k, exp_k = np.append(counts[keep], counts[~keep].sum()), np.append(exp[keep], exp[~keep].sum())
+    obs_k, exp_k = obs_k[exp_k > 0], exp_k[exp_k > 0]
+    stat, df = float(((obs_k - exp_k) ** 2 / exp_k).sum()), len(exp_k) - 1
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    return stat, crit
+
+
+def test_sampler_draws_follow_softmax_and_respect_truncation():
+    """One uniform per row through a two-level inverse CDF: the draws follow softmax(logits / T), impossible
+    tokens (−inf, or cut by top-k / top-p) are never drawn, the log-prob is the untruncated one, greedy is the
+    first maximum. V = 1000 is not a multiple of the 256-wide blocks."""
+    from jaxrl_term.rollout.jax_engine import first_max, inverse_cdf, sample_tokens
+
+    rng = np.random.RandomState(0)
+    v, n = 1000, 40_000
+    logits = (rng.randn(v) * 2.0).astype(np.float32)
+    logits[rng.choice(v, 100, replace=False)] = -np.inf  # never drawn
+    rows = np.broadcast_to(logits, (n, v))
+    seeds, counters = np.full(n, 7, np.int32), np.arange(n, dtype=np.int32)
+
+    def draw(temp, top_p=1.0, top_k=0):
+        tok, lp = sample_tokens(jnp.asarray(rows), jnp.full(n, temp, jnp.float32), jnp.full(n, top_p, jnp.float32),
+                                jnp.full(n, top_k, jnp.int32), jnp.asarray(seeds), jnp.asarray(counters))
+        return np.asarray(tok), np.asarray(lp)
+
+    def softmax(z):
+        e = np.exp(z - z[np.isfinite(z)].max())
+        return e / e.sum()
+
+    for temp in (1.0, 0.7):
+        tok, lp = draw(temp)
+        p = softmax(logits / temp)
+        assert np.all(p[tok] > 0), "drew a token of probability 0"
+        stat, crit = _chi2_ok(np.bincount(tok, minlength=v), p)
+        assert stat < crit, (temp, stat, crit)
+        np.testing.assert_allclose(lp, np.log(p[tok]), rtol=1e-4, atol=1e-4)
+
+    tok, lp = draw(1.0, top_k=5)
+    top5 = np.argsort(-logits)[:5]
+    assert set(np.unique(tok)) <= set(top5.tolist())
+    p5 = np.zeros(v)
+    p5[top5] = softmax(logits)[top5]
+    stat, crit = _chi2_ok(np.bincount(tok, minlength=v), p5 / p5.sum())
+    assert stat < crit, (stat, crit)
+    np.testing.assert_allclose(lp, np.log(softmax(logits)[tok]), rtol=1e-4, atol=1e-4)  # untruncated log-prob
+
+    p = softmax(logits)
+    order = np.argsort(-p)
+    nucleus = order[: int(np.searchsorted(np.cumsum(p[order]), 0.5)) + 1]  # smallest set with mass >= 0.5
+    tok, _ = draw(1.0, top_p=0.5)
+    assert set(np.unique(tok)) <= set(nucleus.tolist())
+    pn = np.zeros(v)
+    pn[nucleus] = p[nucleus]
+    stat, crit = _chi2_ok(np.bincount(tok, minlength=v), pn / pn.sum())
+    assert stat < crit, (stat, crit)
+
+    tok, _ = draw(0.0)
+    assert np.all(tok == int(np.argmax(logits)))
+    ties = jnp.asarray([[0.0, 3.0, 1.0, 3.0], [jnp.nan, 0.0, 0.0, 0.0]])
+    assert np.asarray(first_max(ties))[0] == 1  # the first of equal maxima, as argmax
+
+    # Rounding at the top of the CDF: u just below 1 lands on the last possible entry, never on a zero after it;
+    # a row whose mass sits in one entry of one block always draws it.
+    w = np.zeros((3, 700), np.float32)
+    w[0, :300] = 1.0
+    w[1, 512] = 1e-30
+    w[2, [3, 600]] = [1e-3, 1.0]
+    idx = np.asarray(inverse_cdf(jnp.asarray(w), jnp.asarray([np.float32(1 - 2**-24), 0.5, 1 - 2**-24])))
+    assert idx.tolist() == [299, 512, 600]

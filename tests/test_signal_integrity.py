@@ -98,7 +98,8 @@ def test_a_run_that_never_learns_stops_after_max_consecutive_skips(tmp_path):
     quick = ["+experiment=tiny_cpu", "trainer.warm_start.enabled=false", "agent.max_turns=1",
              "agent.max_tokens_per_turn=8", "trainer.groups_per_step=1", "algo.group_size=2", "sandbox.backend=local",
              "trainer.drop_zero_variance=false", "logging.tensorboard=false", "logging.console=false",
-             "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]", "trainer.steps=10",
+             "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]", "agent.max_context_tokens=2048",
+             "trainer.steps=10",
              "trainer.max_consecutive_skips=2", "trainer.eval_before_train=false", "trainer.eval_every=0",
              "trainer.report=false", f"run_dir={tmp_path / 'run'}"]
     proc = _train(quick)

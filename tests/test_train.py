@@ -17,13 +17,13 @@ from omegaconf import OmegaConf
 from conftest import REPO
 from jaxrl_term.config import register
 
-PRESETS = ["tiny_cpu", "qwen3_8b_a100x2", "qwen32b_h100x16", "qwen32b_h100", "tmax_qwen3_8b"]
-CLUSTER = PRESETS[1:]
+CLUSTER = ["qwen3_8b_a100x2", "qwen32b_h100x16", "qwen32b_h100", "tmax_qwen3_8b"]
+PRESETS = ["tiny_cpu", "tiny_learn", *CLUSTER]
 # a tiny run that needs no warm start: a random policy, short episodes, the local sandbox backend
 QUICK = ["+experiment=tiny_cpu", "trainer.warm_start.enabled=false", "agent.max_turns=2",
          "agent.max_tokens_per_turn=24", "trainer.groups_per_step=2", "algo.group_size=2", "sandbox.backend=local",
          "trainer.drop_zero_variance=false", "logging.tensorboard=false", "logging.console=false",
-         "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]", "trainer.eval_every=0",
+         "rollout.jax.max_seq_len=2048", "trainer.buckets=[1024,2048]", "agent.max_context_tokens=2048", "trainer.eval_every=0",
          "trainer.eval_before_train=false", "trainer.report=false"]
 
 
@@ -81,6 +81,7 @@ def test_bad_config_fails_before_any_work_naming_the_key(tmp_path):
         (["trainer.steps=abc"], "full_key: trainer.steps"),
         (["+experiment=qwen32b_h100"], "model.path"),
         (["+experiment=tmax_qwen3_8b", "model.path=/m"], "data.source"),
+        (["+experiment=tiny_learn", "trainer.buckets=[1024,2048]"], "largest length bucket (2048) is shorter"),
     ]
     bad = tmp_path / "conf" / "experiment"
     bad.mkdir(parents=True)

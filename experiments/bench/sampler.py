@@ -4,7 +4,8 @@ Per configuration and batch size B (1, 8, 32): B prompts of 64 tokens, 64 new to
 ignored so every sequence runs to the end. Reports generated tokens/s over the whole call and the
 time-to-first-token (a 1-token generation). Ours: B concurrent ``generate`` calls (continuous batching,
 ``max_batch`` = 32). Peer: one batched ``model.generate`` (KV cache on). Medians of ``--repeats`` runs after a
-warm-up; both sides alternate within each repeat.
+warm-up; both sides alternate within each repeat. Every call gets fresh random prompts, so our engine's prefix
+reuse (which a GRPO group's G episodes do benefit from) never skips a prefill here.
 
     .venv/bin/python experiments/bench/sampler.py [--repeats 3]
 """
@@ -29,6 +30,7 @@ CONFIGS = {
                  num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
 }
 PROMPT, NEW = 64, 64
+SETTLE = 0.5  # s of idle before each timed call: torch's OpenMP workers spin after a call and would slow the next
 
 
 def main() -> None:
@@ -61,15 +63,17 @@ def main() -> None:
             engine = JaxEngine(load_pretrained(d), config=JaxEngineConfig(max_batch=32, max_seq_len=256))
         for b in map(int, args.batches.split(",")):
             rng = np.random.RandomState(b)
-            prompts = rng.randint(0, CONFIGS[name]["vocab_size"], (b, PROMPT))
+
+            def fresh():
+                return rng.randint(1, CONFIGS[name]["vocab_size"], (b, PROMPT))
 
             async def ours(n_new: int):
                 sp = SamplingParams(temperature=0, max_new_tokens=n_new)
-                return await asyncio.gather(*(engine.generate(p.tolist(), sp) for p in prompts))
+                return await asyncio.gather(*(engine.generate(p.tolist(), sp) for p in fresh()))
 
             def theirs(n_new: int):
                 with torch.inference_mode():
-                    return hf.generate(torch.tensor(prompts), max_new_tokens=n_new, min_new_tokens=n_new,
+                    return hf.generate(torch.tensor(fresh()), max_new_tokens=n_new, min_new_tokens=n_new,
                                        do_sample=False, pad_token_id=0)
 
             asyncio.run(ours(NEW))  # compile / warm up
@@ -77,20 +81,26 @@ def main() -> None:
             theirs(NEW)
             t = {"ours": [], "hf": [], "ours_ttft": [], "hf_ttft": []}
             for _ in range(args.repeats):
+                time.sleep(SETTLE)
                 t0 = time.perf_counter()
                 gens = asyncio.run(ours(NEW))
                 t["ours"].append(time.perf_counter() - t0)
                 assert all(len(g.output_ids) == NEW for g in gens)
+                time.sleep(SETTLE)
                 t0 = time.perf_counter()
                 out = theirs(NEW)
                 t["hf"].append(time.perf_counter() - t0)
                 assert out.shape[1] == PROMPT + NEW
+                time.sleep(SETTLE)
                 t0 = time.perf_counter()
                 asyncio.run(ours(1))
                 t["ours_ttft"].append(time.perf_counter() - t0)
+                time.sleep(SETTLE)
                 t0 = time.perf_counter()
                 theirs(1)
                 t["hf_ttft"].append(time.perf_counter() - t0)
+            reuse = engine.stats["reused_tokens"] / max(1, engine.stats["prefill_tokens"])
+            assert reuse < 0.01, f"{reuse:.1%} of prompt tokens reused: the prefill was not measured"
             med = {k: statistics.median(v) for k, v in t.items()}
             tps_o, tps_h = b * NEW / med["ours"], b * NEW / med["hf"]
             row = (f"| {name} | {b} | {tps_o:,.0f} | {tps_h:,.0f} | {tps_o / tps_h:.2f} | "
@@ -100,7 +110,9 @@ def main() -> None:
         engine.close()
     env = (f"jax {jax.__version__} (cpu), torch {torch.__version__}, transformers {transformers.__version__}, "
            f"{platform.machine()}, {os.cpu_count()} CPU threads; fp32; greedy; prompt {PROMPT}, {NEW} new tokens; "
-           f"median of {args.repeats}.")
+           f"median of {args.repeats}. Engine: JaxEngineConfig defaults (decode_steps={JaxEngineConfig.decode_steps}, "
+           f"unstack_layers={JaxEngineConfig.unstack_layers}, fuse_projections={JaxEngineConfig.fuse_projections}, "
+           f"contiguous_head={JaxEngineConfig.contiguous_head}); fresh prompts every call; {SETTLE} s idle before each timed call.")
     text = ("# Sampling: embedded JAX engine (continuous batching, KV cache) vs transformers `generate`\n\n"
             f"{env} TTFT = a 1-token generation for the whole batch.\n\n"
             f"Reproduce: `.venv/bin/python experiments/bench/sampler.py`\n\n{header}\n" + "\n".join(rows) + "\n")

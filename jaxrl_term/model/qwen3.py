@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import flax.struct
@@ -491,14 +491,22 @@ def decoder_layer_cached(
     """``decoder_layer`` for generation. x [B, T, H]: new tokens of cache rows ``rows`` [B] at positions
     write_pos + t. Their K/V are scattered into the full caches kc / vc [L, R, S, Nkv, D] at (layer, row,
     position) in place (inputs with ``write_ok`` False write nothing); queries attend to cached positions
-    < ``attn_len`` up to their own."""
+    < ``attn_len`` up to their own. ``p`` may hold fused ``qkv_proj`` [H, (Nq + 2 Nkv) D] and ``gate_up_proj``
+    [H, 2 I] (``fuse_projections``) instead of the separate weights."""
     cd, eps = opts.cdtype, cfg.rms_norm_eps
     pc = {k: v.astype(cd) for k, v in p.items()}
     b, t, _ = x.shape
     h = rms_norm(x, pc["input_layernorm"], eps)
-    q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"])
-    k = jnp.einsum("bth,hnd->btnd", h, pc["k_proj"])
-    v = jnp.einsum("bth,hnd->btnd", h, pc["v_proj"])
+    if "qkv_proj" in pc:  # fused (fuse_projections): one matmul for q, k and v
+        nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qkv = jnp.einsum("bth,hf->btf", h, pc["qkv_proj"])
+        q = qkv[..., : nq * d].reshape(b, t, nq, d)
+        k = qkv[..., nq * d: (nq + nkv) * d].reshape(b, t, nkv, d)
+        v = qkv[..., (nq + nkv) * d:].reshape(b, t, nkv, d)
+    else:
+        q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"])
+        k = jnp.einsum("bth,hnd->btnd", h, pc["k_proj"])
+        v = jnp.einsum("bth,hnd->btnd", h, pc["v_proj"])
     q = apply_rope(rms_norm(q, pc["q_norm"], eps), cos, sin)
     k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
     qpos = write_pos[:, None] + jnp.arange(t)[None, :]  # [B, T]
@@ -513,8 +521,72 @@ def decoder_layer_cached(
     o = dot_attention(q, keys, vals, mask, 1.0 / math.sqrt(cfg.head_dim))
     x = x + jnp.einsum("btnd,ndh->bth", o, pc["o_proj"])
     h = rms_norm(x, pc["post_attention_layernorm"], eps)
-    act = jax.nn.silu(jnp.einsum("bth,hi->bti", h, pc["gate_proj"])) * jnp.einsum("bth,hi->bti", h, pc["up_proj"])
+    if "gate_up_proj" in pc:
+        gu = jnp.einsum("bth,hi->bti", h, pc["gate_up_proj"])
+        act = jax.nn.silu(gu[..., : cfg.intermediate_size]) * gu[..., cfg.intermediate_size:]
+    else:
+        act = jax.nn.silu(jnp.einsum("bth,hi->bti", h, pc["gate_proj"])) * jnp.einsum("bth,hi->bti", h, pc["up_proj"])
     return x + jnp.einsum("bti,ih->bth", act, pc["down_proj"]), kc, vc
+
+
+def forward_cached_layers(
+    cfg: Qwen3Config,
+    opts: ModelOptions,
+    embed: jax.Array,
+    norm: jax.Array,
+    layers: Mapping[str, jax.Array] | Sequence[Mapping[str, jax.Array]],
+    input_ids: jax.Array,
+    write_pos: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    write_ok: jax.Array | None = None,
+    attn_len: int | None = None,
+    rows: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``Qwen3.forward_cached`` on explicit weights. ``layers``: the stacked dict (a scan over layers), or one
+    dict per layer (the loop unrolled: no per-layer slice of stacked weights, which XLA on a CPU copies out of
+    the stack on every call, the whole model's weights per decode step)."""
+    b, t = input_ids.shape
+    if write_ok is None:
+        write_ok = jnp.ones((b,), bool)
+    if rows is None:
+        rows = jnp.arange(b)
+    attn_len = attn_len or k_cache.shape[2]
+    positions = write_pos[:, None] + jnp.arange(t)[None, :]
+    x = jnp.take(embed, input_ids, axis=0).astype(opts.cdtype)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
+
+    def layer(x, kc, vc, p, i):
+        return decoder_layer_cached(x, p, cos, sin, kc, vc, i, rows, write_pos, write_ok, attn_len, cfg, opts)
+
+    if isinstance(layers, Mapping):
+        def body(carry, xs):
+            return layer(*carry, *xs), None
+
+        idx = jnp.arange(cfg.num_hidden_layers)
+        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, idx))
+    else:
+        for i, p in enumerate(layers):
+            x, k_cache, v_cache = layer(x, k_cache, v_cache, p, i)
+    return rms_norm(x, norm, cfg.rms_norm_eps), k_cache, v_cache
+
+
+def fuse_projections(p: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+    """One layer's weights with q/k/v and gate/up concatenated (two matmuls instead of five: on a CPU a decode
+    step's small matmuls are dominated by per-kernel cost, not arithmetic)."""
+    out = {k: v for k, v in p.items() if k not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
+    h = p["q_proj"].shape[0]
+    out["qkv_proj"] = jnp.concatenate([p[n].reshape(h, -1) for n in ("q_proj", "k_proj", "v_proj")], axis=1)
+    out["gate_up_proj"] = jnp.concatenate([p["gate_proj"], p["up_proj"]], axis=1)
+    return out
+
+
+def lm_logits(hidden: jax.Array, w: jax.Array, fp32: bool) -> jax.Array:
+    """[B, T, H] @ [H, V]: fp32 (HIGHEST precision matmul on fp32-cast inputs) when ``fp32``."""
+    if fp32:
+        return jnp.einsum("bth,hv->btv", hidden.astype(jnp.float32), w.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("bth,hv->btv", hidden, w.astype(hidden.dtype))
 
 
 class Qwen3(nnx.Module):
@@ -602,16 +674,7 @@ class Qwen3(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """[B, T, H] -> [B, T, V]; fp32 (HIGHEST precision matmul on fp32-cast inputs) when lm_head_fp32."""
-        w = self.head_weight()
-        if self.options.lm_head_fp32:
-            out = jnp.einsum(
-                "bth,hv->btv",
-                hidden.astype(jnp.float32),
-                w.astype(jnp.float32),
-                precision=jax.lax.Precision.HIGHEST,
-            )
-        else:
-            out = jnp.einsum("bth,hv->btv", hidden, w.astype(hidden.dtype))
+        out = lm_logits(hidden, self.head_weight(), self.options.lm_head_fp32)
         return self.shard.constrain(out, ("activation_batch", "activation_length", "activation_vocab"))
 
     def lm_head_map(self, hidden: jax.Array, fn: Callable, *xs: jax.Array, chunk: int | None = None):
@@ -658,26 +721,9 @@ class Qwen3(nnx.Module):
         (static; default S) are attended. Inputs with ``write_ok`` False leave the cache untouched.
         Returns final-normed hidden [B, T, H] and the caches.
         """
-        cfg, opts = self.config, self.options
-        b, t = input_ids.shape
-        if write_ok is None:
-            write_ok = jnp.ones((b,), bool)
-        if rows is None:
-            rows = jnp.arange(b)
-        attn_len = attn_len or k_cache.shape[2]
-        positions = write_pos[:, None] + jnp.arange(t)[None, :]
-        x = jnp.take(self.embed_tokens[...], input_ids, axis=0).astype(opts.cdtype)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
-
-        def body(carry, xs):
-            x, kc, vc = carry
-            p, layer = xs
-            return decoder_layer_cached(x, p, cos, sin, kc, vc, layer, rows, write_pos, write_ok, attn_len, cfg,
-                                        opts), None
-
-        layers = jnp.arange(cfg.num_hidden_layers)
-        (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (self.layers.stacked(), layers))
-        return rms_norm(x, self.norm[...], cfg.rms_norm_eps), k_cache, v_cache
+        return forward_cached_layers(self.config, self.options, self.embed_tokens[...], self.norm[...],
+                                     self.layers.stacked(), input_ids, write_pos, k_cache, v_cache, write_ok,
+                                     attn_len, rows)
 
     def kv_cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
         c = self.config

@@ -1,7 +1,8 @@
 """One report per run: ``python -m jaxrl_term.report RUN_DIR`` writes ``RUN_DIR/report.html`` (one
 self-contained page: the settings, scores, charts and every transcript, browsable and searchable; no server,
 no network) and ``RUN_DIR/report.md`` (the numbers). ``python -m jaxrl_term.report compare RUN_A RUN_B`` prints
-per-task differences of two evaluations. The trainer and the evaluator call :func:`write_report` at the end.
+per-task differences of two evaluations; ``python -m jaxrl_term.report summary DIR...`` a results table of
+training runs (a Hydra sweep's dir: one row per job, with its overrides). The trainer and the evaluator call :func:`write_report` at the end.
 
 Charts use matplotlib because it is the well-kept standard, already a dependency, and its static SVG needs no
 JavaScript or network, unlike plotly/bokeh, which would inline megabytes of JS in every page.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from jaxrl_term.report.load import NotARunDir, Run, as_dict, as_float, load_run
 
-__all__ = ["NotARunDir", "Run", "compare", "load_run", "write_report"]
+__all__ = ["NotARunDir", "Run", "compare", "load_run", "summarize_runs", "summary_markdown", "write_report"]
 
 
 def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
@@ -59,3 +60,52 @@ def compare(a: str | os.PathLike, b: str | os.PathLike) -> dict:
     return {**sides, "tasks": rows, "only_a": sorted(set(ta) - set(tb)), "only_b": sorted(set(tb) - set(ta)),
             "better": sum(1 for r in rows if (r["delta"] or 0.0) > 0),
             "worse": sum(1 for r in rows if (r["delta"] or 0.0) < 0)}
+
+
+def summarize_runs(paths: list[str | os.PathLike]) -> list[dict]:
+    """One row per training run for a sweep's results table: each path is a run dir or a folder of run dirs
+    (a Hydra multirun dir, ``runs/multirun/<time>``). A row: the run, its command-line overrides (Hydra's
+    ``.hydra/overrides.yaml``), steps done, the first and last held-out pass@1 (and their steps), the last
+    step's mean reward and the run's wall time from its metrics."""
+    import yaml
+
+    dirs: list[Path] = []
+    for p in map(Path, paths):
+        subs = sorted((c for c in p.iterdir() if c.is_dir() and (c / "metrics.jsonl").exists()),
+                      key=lambda c: (not c.name.isdigit(), int(c.name) if c.name.isdigit() else 0, c.name)) \
+            if p.is_dir() and not (p / "metrics.jsonl").exists() else []
+        dirs += subs or [p]
+    rows = []
+    for d in dirs:
+        run = load_run(d)
+        if run.kind != "train":
+            raise NotARunDir(f"{d}: an evaluation run dir; summarize_runs takes training runs (or a sweep of them)")
+        ov = d / ".hydra" / "overrides.yaml"
+        overrides = [o for o in (yaml.safe_load(ov.read_text()) or []) if not o.startswith(("run_dir=", "hydra."))] \
+            if ov.is_file() else []
+        evals = run.eval_points
+        steps = run.steps
+        wall = sum(as_float(m.get("time/step_s")) or 0.0 for m in steps)
+        rows.append({"run": str(d), "overrides": overrides, "steps": len(steps),
+                     "eval_first": as_float(evals[0].get("eval/pass@1")) if evals else None,
+                     "eval_first_step": evals[0]["step"] if evals else None,
+                     "eval_last": as_float(evals[-1].get("eval/pass@1")) if evals else None,
+                     "eval_last_step": evals[-1]["step"] if evals else None,
+                     "heldout_tasks": as_float(evals[-1].get("eval/tasks")) if evals else None,
+                     "reward_last": as_float(steps[-1].get("reward/mean")) if steps else None,
+                     "wall_s": wall or None})
+    return rows
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    from jaxrl_term.report.tables import num, pct
+
+    lines = ["| run | overrides | steps | held-out pass@1 first → last (steps) | change | last reward | time in steps s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        first, last = r["eval_first"], r["eval_last"]
+        change = "-" if first is None or last is None else f"{last - first:+.1%}"
+        lines.append(f"| {Path(r['run']).name} | {' '.join(r['overrides']) or '-'} | {r['steps']} | "
+                     f"{pct(first)} → {pct(last)} ({r['eval_first_step']} → {r['eval_last_step']}) | {change} | "
+                     f"{num(r['reward_last'], '.3f')} | {num(r['wall_s'], '.0f')} |")
+    return "\n".join(lines) + "\n"

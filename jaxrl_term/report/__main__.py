@@ -1,5 +1,7 @@
 """``python -m jaxrl_term.report RUN_DIR [--out PATH]``: write the report, print the HTML path.
 ``python -m jaxrl_term.report compare RUN_A RUN_B [--json]``: per-task pass@1 differences of two evaluations.
+``python -m jaxrl_term.report summary DIR... [--json] [--out TABLE.md]``: one row per training run (a sweep's dir:
+its jobs), held-out pass@1 first and last, reward, overrides.
 ``python -m jaxrl_term.report screenshot REPORT.html OUT.png [--search TEXT]``: a PNG from headless Chromium.
 A path that holds no run: one line on stderr, exit code 2."""
 
@@ -9,7 +11,7 @@ import argparse
 import json
 import sys
 
-from jaxrl_term.report import NotARunDir, compare, write_report
+from jaxrl_term.report import NotARunDir, compare, summarize_runs, summary_markdown, write_report
 from jaxrl_term.report.tables import pct
 
 
@@ -53,6 +55,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(out, indent=2))
             else:
                 print_compare(out)
+        elif argv[:1] == ["summary"]:
+            ap = argparse.ArgumentParser(prog="python -m jaxrl_term.report summary")
+            ap.add_argument("paths", nargs="+", help="training run dirs, or folders of them (a Hydra multirun dir)")
+            ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+            ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+            args = ap.parse_args(argv[1:])
+            rows = summarize_runs(args.paths)
+            table = summary_markdown(rows)
+            print(json.dumps(rows, indent=2) if args.json else table, end="" if not args.json else "\n")
+            if args.out:
+                with open(args.out, "w") as f:
+                    f.write(table)
         elif argv[:1] == ["screenshot"]:
             ap = argparse.ArgumentParser(prog="python -m jaxrl_term.report screenshot")
             ap.add_argument("html")

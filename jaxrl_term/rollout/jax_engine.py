@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_term.model.qwen3 import forward_cached_layers, fuse_projections, lm_logits
 from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,11 @@ class JaxEngineConfig:
     param_dtype: str | None = None  # engine weights; None = as given
     share_params: bool = False  # use live params as they are (no copy): only when the trainer never donates them
     prefix_reuse: bool = True
+    contiguous_head: bool = True  # tied embeddings: keep a [H, V] copy for the LM head (+V*H params of memory)
+    unstack_layers: bool = True  # one array per layer and weight, the layer loop unrolled (see forward_cached_layers)
+    fuse_projections: bool = True  # with unstack_layers: q/k/v and gate/up weights concatenated (2 matmuls, not 5)
+    decode_steps: int = 16  # decode steps per program call (>= 1): fewer dispatches; a request that stops early
+    # waits for the call to end (up to n - 1 steps computed for nothing in its row)
     deterministic: bool = False  # fixed shapes, no prefix reuse: samples independent of batching (slower)
 
 
@@ -57,19 +63,78 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return min(b, hi)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_len"), donate_argnames=("kc", "vc"))
-def _prefill(graphdef, params, kc, vc, ids, slot, start, n_valid, attn_len: int):
-    model = nnx.merge(graphdef, params)
-    h, kc, vc = model.forward_cached(ids, start[None], kc, vc, None, attn_len, slot[None])
-    last = jax.lax.dynamic_slice_in_dim(h, n_valid - 1, 1, axis=1)
-    return model.logits(last)[:, 0], kc, vc
+def _hidden(w, kc, vc, ids, pos, write_ok, rows, attn_len, cfg, opts):
+    return forward_cached_layers(cfg, opts, w["embed"], w["norm"], w["layers"], ids, pos, kc, vc, write_ok,
+                                 attn_len, rows)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attn_len"), donate_argnames=("kc", "vc"))
-def _decode(graphdef, params, kc, vc, tokens, pos, active, rows, attn_len: int):
-    model = nnx.merge(graphdef, params)
-    h, kc, vc = model.forward_cached(tokens[:, None], pos, kc, vc, active, attn_len, rows)
-    return model.logits(h)[:, 0], kc, vc
+def _logits(w, h, opts):
+    head = w["embed"].T if w["head"] is None else w["head"]
+    return lm_logits(h, head, opts.lm_head_fp32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len"), donate_argnames=("kc", "vc"))
+def _prefill(w, kc, vc, ids, rows, start, n_valid, write_ok, *, cfg, opts, attn_len: int):
+    """Prefill chunks of several requests at once: ids [N, T] for cache rows ``rows`` [N] from positions
+    ``start`` [N], ``n_valid`` [N] real tokens each (the rest is padding, written past the row's end and never
+    attended before decode overwrites it); the logits after each row's last real token."""
+    h, kc, vc = _hidden(w, kc, vc, ids, start, write_ok, rows, attn_len, cfg, opts)
+    last = jnp.take_along_axis(h, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
+    return _logits(w, last, opts)[:, 0], kc, vc
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len", "n_steps"), donate_argnames=("kc", "vc"))
+def _decode(w, kc, vc, tokens, pos, active, rows, temps, top_ps, top_ks, seeds, counters, *, cfg, opts,
+            attn_len: int, n_steps: int):
+    """``n_steps`` decode steps in one program: each feeds the token it sampled to the next, so Python (and
+    the dispatch of a few hundred small kernels) is paid once per ``n_steps`` tokens. Rows keep going after
+    their own stop; the caller discards those tokens, and their K/V lie past the row's end (positions past the
+    cache are dropped). Returns tokens [n, B], log-probs [n, B] and the caches."""
+    s = kc.shape[2]
+
+    def step(carry, i):
+        tok, kc, vc = carry
+        p = pos + i
+        h, kc, vc = _hidden(w, kc, vc, tok[:, None], p, active & (p < s), rows, attn_len, cfg, opts)
+        nxt, lp = sample_tokens(_logits(w, h, opts)[:, 0], temps, top_ps, top_ks, seeds, counters + i)
+        return (nxt, kc, vc), (nxt, lp)
+
+    (_, kc, vc), (toks, lps) = jax.lax.scan(step, (tokens, kc, vc), jnp.arange(n_steps, dtype=counters.dtype))
+    return toks, lps, kc, vc
+
+
+def first_true(mask):
+    """Index of the first True along the last axis (its length where none): a min-reduce, several times faster
+    on a CPU than XLA's argmax over a 150k vocabulary."""
+    n = mask.shape[-1]
+    return jnp.min(jnp.where(mask, jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def first_max(x):
+    """``argmax`` (the first index of the maximum), as max + min-reduce; a NaN row gives the last index."""
+    return jnp.minimum(first_true(x == jnp.max(x, axis=-1, keepdims=True)), x.shape[-1] - 1)
+
+
+def inverse_cdf(w, u, block: int = 256):
+    """Draw index i with probability w[b, i] / sum(w[b]) given one uniform u[b] in [0, 1) per row.
+
+    One uniform per row instead of one Gumbel per vocabulary entry (which cost more than the rest of a 100M
+    model's decode step at batch 32 on a CPU), and the running sum in two levels (blocks, then inside the chosen
+    block) rather than one long cumsum. The drawn index always has w > 0: the first entry whose running sum
+    exceeds u * total, capped at the last non-zero entry against rounding."""
+    b, v = w.shape
+    nb = -(-v // block)
+    w3 = jnp.pad(w, ((0, 0), (0, nb * block - v))).reshape(b, nb, block)
+    bsum = w3.sum(-1)
+    bcdf = jnp.cumsum(bsum, axis=-1)
+    r = u * bcdf[:, -1]
+    last_b = nb - 1 - first_true(bsum[:, ::-1] > 0)
+    j = jnp.minimum(jnp.sum(bcdf <= r[:, None], axis=-1), last_b)
+    before = jnp.where(j > 0, jnp.take_along_axis(bcdf, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(w3, j[:, None, None], axis=1)[:, 0]
+    last_i = block - 1 - first_true(inner[:, ::-1] > 0)
+    i = jnp.minimum(jnp.sum(jnp.cumsum(inner, axis=-1) <= (r - before)[:, None], axis=-1), last_i)
+    return j * block + i
 
 
 @jax.jit
@@ -80,7 +145,6 @@ def sample_tokens(logits, temps, top_ps, top_ks, seeds, counters):
     v = logits.shape[-1]
     greedy = temps <= 0
     z = logits / jnp.where(greedy, 1.0, temps)[:, None]
-    logp_all = jax.nn.log_softmax(z, axis=-1)
 
     def truncate(z):
         srt = -jnp.sort(-z, axis=-1)  # descending
@@ -94,9 +158,11 @@ def sample_tokens(logits, temps, top_ps, top_ks, seeds, counters):
     needs = jnp.any((top_ps < 1.0) | (top_ks > 0))
     z_s = jax.lax.cond(needs, truncate, lambda z: z, z)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
-    sampled = jax.vmap(jax.random.categorical)(keys, z_s)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)
+    sampled = inverse_cdf(jnp.exp(z_s - jnp.max(z_s, axis=-1, keepdims=True)), u)
+    tokens = jnp.where(greedy, first_max(logits), sampled).astype(jnp.int32)
+    logp = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(z, axis=-1)
+    return tokens, logp
 
 
 @dataclasses.dataclass
@@ -120,9 +186,12 @@ class JaxEngine:
     def __init__(self, model, tokenizer=None, config: JaxEngineConfig | None = None, *, weight_version: int = 0):
         self.cfg = config or JaxEngineConfig()
         self.tok = tokenizer
-        self.graphdef, params = nnx.split(model)
-        self.params = self._prepare(nnx.to_pure_dict(params), copy=False)
-        self.options = model.options
+        params = nnx.to_pure_dict(nnx.state(model))
+        self.model_cfg, self.options = model.config, model.options
+        self.tied = model.lm_head is None
+        self._treedef = jax.tree.structure(params)
+        self._shapes = [x.shape for x in jax.tree.leaves(params)]
+        self.w = self._weights(params, copy=False)
         b, s = self.cfg.max_batch, self.cfg.max_seq_len
         cache_dtype = model.options.cdtype
         self.kc = jnp.zeros(model.kv_cache_shape(b, s), cache_dtype)
@@ -153,6 +222,27 @@ class JaxEngine:
             return jax.block_until_ready(jax.tree.map(jnp.copy, params))
         return params
 
+    def _weights(self, params, copy: bool = True) -> dict[str, Any]:
+        """The weights as the engine's programs take them: ``embed``, ``norm``, ``head`` [H, V] (the model's
+        lm_head; for tied embeddings the transpose kept contiguous when ``contiguous_head``: ``embed.T`` in
+        the program transposes [V, H] on every decode step, 2x the head's time at V = 32k on a CPU; else None)
+        and ``layers`` (one dict per layer when ``unstack_layers``, else the stacked dict)."""
+        params = self._prepare(params, copy=copy)
+        layers = params["layers"]
+        if self.cfg.unstack_layers:
+            n = self.model_cfg.num_hidden_layers
+            layers = [jax.tree.map(lambda x, i=i: x[i], layers) for i in range(n)]
+            if self.cfg.fuse_projections:
+                layers = [fuse_projections(p) for p in layers]
+        if not self.tied:
+            head = params["lm_head"]
+        elif self.cfg.contiguous_head:
+            head = jnp.transpose(params["embed_tokens"]).copy()
+        else:
+            head = None
+        return jax.block_until_ready({"embed": params["embed_tokens"], "norm": params["norm"], "head": head,
+                                      "layers": layers})
+
     async def update_weights(self, source: Any, version: int) -> None:
         """``source``: an HF directory, or a pure dict of params with the model's structure. The new weights
         replace the old between two decode steps; on any error the old ones keep serving."""
@@ -165,20 +255,19 @@ class JaxEngine:
                 params = nnx.to_pure_dict(nnx.state(loaded))
             else:
                 params = source
-            old = jax.tree.structure(self.params)
-            if jax.tree.structure(params) != old:
+            if jax.tree.structure(params) != self._treedef:
                 raise EngineError("update_weights: the params do not have this model's structure", retryable=False)
-            for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(self.params)):
-                if a.shape != b.shape:
-                    raise EngineError(f"update_weights: shape {a.shape} != {b.shape}", retryable=False)
-            params = await asyncio.to_thread(self._prepare, params)
+            for a, shape in zip(jax.tree.leaves(params), self._shapes):
+                if a.shape != shape:
+                    raise EngineError(f"update_weights: shape {a.shape} != {shape}", retryable=False)
+            w = await asyncio.to_thread(self._weights, params)
         except EngineError:
             raise
         except Exception as e:  # noqa: BLE001 - a failed load keeps the previous weights serving
             raise EngineError(f"update_weights failed, version {self.weight_version} keeps serving: {e}",
                               retryable=False) from e
         with self._lock:
-            self._pending = (params, version)
+            self._pending = (w, version)
         # Only the engine thread swaps the weights, between two of its own steps (here, the event loop could swap
         # them in the middle of a prefill and mix two policies in one turn). It does so as soon as nothing is
         # running or the engine is paused; new requests wait meanwhile, as in SGLang's update without a pause.
@@ -189,7 +278,7 @@ class JaxEngine:
         with self._lock:
             if self._pending is None:
                 return
-            self.params, self.weight_version = self._pending
+            self.w, self.weight_version = self._pending
             self._pending = None
             self.slot_cache = [[] for _ in self.slot_cache]  # cached K/V came from the old weights
 
@@ -312,8 +401,11 @@ class JaxEngine:
         if self._pending is not None and not any(self.slots):
             self._apply_pending()
         self._drain_queue()
+        claimed = []
         while self._waiting and None in self.slots and self._pending is None:
-            self._admit(self._waiting.pop(0))
+            claimed.append(self._claim(self._waiting.pop(0)))
+        if claimed:
+            self._admit(claimed)
         if not any(self.slots):
             try:
                 self._waiting.append(self._queue.get(timeout=0.05))
@@ -322,7 +414,8 @@ class JaxEngine:
             return
         self._decode_all()
 
-    def _admit(self, req: _Request) -> None:
+    def _claim(self, req: _Request) -> tuple[_Request, int, list[int], int]:
+        """Give ``req`` a free slot (the one holding the longest prefix of its tokens); (req, slot, seq, cached)."""
         seq = req.ids + req.out  # a retracted request resumes from what it has generated so far
         if req.version is None:
             req.version = self.weight_version
@@ -337,25 +430,46 @@ class JaxEngine:
         if not req.out:
             req.cached = common
         self.slot_cache[slot] = []
-        pos = common
-        logits = None
-        while pos < len(seq):
-            chunk = seq[pos: pos + self.cfg.prefill_chunk]
-            t = _bucket(len(chunk), 16, self.cfg.prefill_chunk)
-            attn = _bucket(pos + t, self.cfg.min_bucket, self.cfg.max_seq_len)
-            if self.cfg.deterministic:
-                attn = self.cfg.max_seq_len
-            if pos + t > attn:  # the padded chunk must fit in the attended window
-                t = attn - pos
-            ids = np.zeros((1, t), np.int32)
-            ids[0, : len(chunk)] = chunk
-            logits, self.kc, self.vc = _prefill(self.graphdef, self.params, self.kc, self.vc, jnp.asarray(ids),
-                                                jnp.int32(slot), jnp.int32(pos), jnp.int32(len(chunk)), attn)
-            pos += len(chunk)
+        self.slots[slot] = req
         self.stats["prefill_tokens"] += len(seq) - common
         self.stats["reused_tokens"] += common
-        self.slots[slot] = req
-        self._emit([slot], logits)
+        return req, slot, seq, common
+
+    def _admit(self, claimed: list[tuple[_Request, int, list[int], int]]) -> None:
+        """Prefill the claimed requests together, in rounds of at most ``prefill_chunk`` tokens per request
+        (one program call per round, rows padded to a power of two), and sample each one's first token.
+        Deterministic engines prefill one request at a time at fixed shapes."""
+        if self.cfg.deterministic and len(claimed) > 1:
+            for c in claimed:
+                self._admit([c])
+            return
+        pos = {slot: common for _, slot, _, common in claimed}
+        todo = [(slot, seq) for _, slot, seq, _ in claimed]
+        chunk = self.cfg.prefill_chunk
+        while todo:
+            width = _bucket(len(todo), 1, self.cfg.max_batch)
+            t = _bucket(min(max(len(seq) - pos[slot] for slot, seq in todo), chunk), 16, chunk)
+            top = max(pos[slot] for slot, _ in todo)
+            attn = self.cfg.max_seq_len if self.cfg.deterministic else _bucket(top + t, self.cfg.min_bucket,
+                                                                               self.cfg.max_seq_len)
+            t = min(t, attn - top)  # every padded chunk must fit in the attended window
+            ids, rows = np.zeros((width, t), np.int32), np.full(width, todo[0][0], np.int32)
+            start, n_valid, ok = np.zeros(width, np.int32), np.ones(width, np.int32), np.zeros(width, bool)
+            for j, (slot, seq) in enumerate(todo):
+                piece = seq[pos[slot]: pos[slot] + t]
+                ids[j, : len(piece)] = piece
+                rows[j], start[j], n_valid[j], ok[j] = slot, pos[slot], len(piece), True
+            logits, self.kc, self.vc = _prefill(self.w, self.kc, self.vc, jnp.asarray(ids), jnp.asarray(rows),
+                                                jnp.asarray(start), jnp.asarray(n_valid), jnp.asarray(ok),
+                                                cfg=self.model_cfg, opts=self.options, attn_len=attn)
+            done, left = [], []
+            for j, (slot, seq) in enumerate(todo):
+                pos[slot] += int(n_valid[j])
+                (done if pos[slot] >= len(seq) else left).append(slot)
+            if done:
+                self._emit(done, logits, [slot if slot in done else None for slot, _ in todo]
+                           + [None] * (width - len(todo)))
+            todo = [(slot, seq) for slot, seq in todo if slot in left]
 
     def _sampling_arrays(self, slots: Sequence[int | None]):
         """Per-row sampling parameters for a fixed-width batch (``None`` rows get greedy filler), so the
@@ -376,22 +490,28 @@ class JaxEngine:
         ``width_rows[j]`` is the slot of row j (None = unused); default: one row per entry of ``rows``."""
         width_rows = list(rows) if width_rows is None else list(width_rows)
         toks, lps = sample_tokens(logits, *(jnp.asarray(a) for a in self._sampling_arrays(width_rows)))
-        toks, lps = np.asarray(toks), np.asarray(lps)
+        self._take(rows, width_rows, np.asarray(toks)[None], np.asarray(lps)[None])
+
+    def _take(self, rows: Sequence[int], width_rows: Sequence[int | None], toks: np.ndarray, lps: np.ndarray):
+        """Append tokens [n, width] (n steps) to the requests of ``rows``, each up to its stop: what a request
+        would have generated after it is dropped."""
         where = {slot: j for j, slot in enumerate(width_rows) if slot is not None}
         now = time.monotonic()
         for i in rows:
             j = where[i]
             r = self.slots[i]
-            r.out.append(int(toks[j]))
-            r.lps.append(float(lps[j]))
-            if r.t_first is None:
-                r.t_first = now
-            self.stats["generated"] += 1
-            reason, matched = self._stop_reason(r)
-            if reason:
-                self._finish(r, reason, matched)
-                self.slot_cache[i] = r.ids + r.out[:-1]  # the last token's K/V was never written
-                self.slots[i] = None
+            for t in range(toks.shape[0]):
+                r.out.append(int(toks[t, j]))
+                r.lps.append(float(lps[t, j]))
+                if r.t_first is None:
+                    r.t_first = now
+                self.stats["generated"] += 1
+                reason, matched = self._stop_reason(r)
+                if reason:
+                    self._finish(r, reason, matched)
+                    self.slot_cache[i] = r.ids + r.out[:-1]  # the last token's K/V was never written
+                    self.slots[i] = None
+                    break
 
     def _stop_reason(self, r: _Request):
         tok = r.out[-1]
@@ -407,21 +527,32 @@ class JaxEngine:
         return None, None
 
     def _decode_all(self) -> None:
-        """One decode step for the active slots, compacted to a power-of-two batch (1, 2, 4, ... max_batch)."""
+        """Decode steps for the active slots, compacted to a power-of-two batch (1, 2, 4, ... max_batch):
+        ``decode_steps`` of them per call while every row has that many tokens left to generate, else one."""
         live = [i for i, r in enumerate(self.slots) if r is not None]
         b = self.cfg.max_batch if self.cfg.deterministic else _bucket(len(live), 1, self.cfg.max_batch)
         tokens, pos = np.zeros(b, np.int32), np.zeros(b, np.int32)
         active, rows = np.zeros(b, bool), np.zeros(b, np.int32)
+        left = 1
         for j, i in enumerate(live):
             r = self.slots[i]
             tokens[j], pos[j], active[j], rows[j] = r.out[-1], len(r.ids) + len(r.out) - 1, True, i
-        attn = _bucket(int(pos.max()) + 1, self.cfg.min_bucket, self.cfg.max_seq_len)
+            left = max(left, min(r.sampling.max_new_tokens - len(r.out),
+                                 self.cfg.max_seq_len - 1 - len(r.ids) - len(r.out)))
+        n = max(1, self.cfg.decode_steps)
+        if not self.cfg.deterministic and left < n:
+            n = 1  # two program shapes per batch width, not one per remaining length
+        attn = _bucket(int(pos[: len(live)].max()) + n, self.cfg.min_bucket, self.cfg.max_seq_len)
         if self.cfg.deterministic:
             attn = self.cfg.max_seq_len
-        logits, self.kc, self.vc = _decode(self.graphdef, self.params, self.kc, self.vc, jnp.asarray(tokens),
-                                           jnp.asarray(pos), jnp.asarray(active), jnp.asarray(rows), attn)
-        self.stats["decode_steps"] += 1
-        self._emit(live, logits, live + [None] * (b - len(live)))
+        width_rows = live + [None] * (b - len(live))
+        samp = self._sampling_arrays(width_rows)
+        toks, lps, self.kc, self.vc = _decode(self.w, self.kc, self.vc, jnp.asarray(tokens), jnp.asarray(pos),
+                                              jnp.asarray(active), jnp.asarray(rows),
+                                              *(jnp.asarray(a) for a in samp), cfg=self.model_cfg,
+                                              opts=self.options, attn_len=attn, n_steps=n)
+        self.stats["decode_steps"] += n
+        self._take(live, width_rows, np.asarray(toks), np.asarray(lps))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
