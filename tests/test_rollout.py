@@ -475,3 +475,30 @@ def test_sampler_draws_follow_softmax_and_respect_truncation():
     w[2, [3, 600]] = [1e-3, 1.0]
     idx = np.asarray(inverse_cdf(jnp.asarray(w), jnp.asarray([np.float32(1 - 2**-24), 0.5, 1 - 2**-24])))
     assert idx.tolist() == [299, 512, 600]
+
+
+def test_multi_step_decode_equals_single_steps_and_stops_inside_a_call(model_dir, engine):
+    """decode_steps = 16 (one program call per 16 tokens) against decode_steps = 1: the same tokens and
+    log-probs, sampled and greedy; a stop token met inside a call ends the output there, and the tokens the
+    row computed after it are dropped (max_new_tokens = 40: the 16-step path is taken)."""
+    single = JaxEngine(load_pretrained(model_dir[0]), config=JaxEngineConfig(max_batch=16, max_seq_len=512,
+                                                                              decode_steps=1))
+    try:
+        ps = prompts(4, seed=21)
+        sps = [SamplingParams(temperature=1.0, max_new_tokens=40, seed=100 + i) for i in range(3)]
+        sps.append(SamplingParams(temperature=0, max_new_tokens=40))
+
+        async def both(eng):
+            return await asyncio.gather(*(eng.generate(p, sp) for p, sp in zip(ps, sps)))
+
+        multi, one = run(both(engine)), run(both(single))
+        for a, b in zip(multi, one):
+            assert a.output_ids == b.output_ids and len(a.output_ids) == 40
+            np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+        greedy = multi[3].output_ids
+        stop_at = next(t for i, t in enumerate(greedy) if i >= 5 and t not in greedy[:i])  # first seen mid-call
+        stopped = run(engine.generate(ps[3], SamplingParams(temperature=0, max_new_tokens=40,
+                                                            stop_token_ids=(stop_at,))))
+        assert stopped.finish_reason == "stop" and stopped.output_ids == greedy[: greedy.index(stop_at) + 1]
+    finally:
+        single.close()

@@ -46,7 +46,8 @@ class JaxEngineConfig:
     prefill_chunk: int = 512  # longest prefill piece (longer prompts go in several)
     min_bucket: int = 64  # smallest attended-length bucket
     param_dtype: str | None = None  # engine weights; None = as given
-    share_params: bool = False  # use live params as they are (no copy): only when the trainer never donates them
+    share_params: bool = False  # use live params as they are (no copy): only when the trainer never donates them;
+    # with unstack_layers the per-layer arrays are copies anyway (only embed / norm are shared)
     prefix_reuse: bool = True
     contiguous_head: bool = True  # tied embeddings: keep a [H, V] copy for the LM head (+V*H params of memory)
     unstack_layers: bool = True  # one array per layer and weight, the layer loop unrolled (see forward_cached_layers)
