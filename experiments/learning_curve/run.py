@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def sh(cmd: list[str], log: Path) -> None:
     with open(log, "a") as f:
         rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc:
-        sys.exit(f"failed (exit {rc}): {shlex.join(cmd)}; its output: {log}")
+        raise SystemExit(f"failed (exit {rc}): {shlex.join(cmd)}; its output: {log}")
 
 
 def evals(run: Path) -> dict[int, float]:
@@ -62,10 +63,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--algos", default="grpo,dppo")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--root", default="runs/learning_curve")
     ap.add_argument("--results", default=str(REPO / "experiments" / "results"))
+    ap.add_argument("--jobs", type=int, default=2, help="train runs at once (a run leaves cores idle while "
+                    "sandboxes start and commands run; 2 at once finish sooner on 2 cores)")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
     root, py = (REPO / args.root).resolve(), sys.executable
@@ -73,7 +77,8 @@ def main() -> None:
     t0 = time.time()
 
     sft = root / "sft"
-    sft_cmd = [py, "-m", "jaxrl_term.sft", PRESET, f"run_dir={sft}", f"sft.steps={args.sft_steps}"]
+    sft_cmd = [py, "-m", "jaxrl_term.sft", PRESET, f"run_dir={sft}", f"sft.steps={args.sft_steps}",
+               f"sft.lr={args.sft_lr}"]
     if not args.plot_only and not (sft / "hf_final").exists():
         sh(sft_cmd, root / "logs" / "sft.log")
     runs = {(a, s): root / f"{a}_seed{s}" for a in algos for s in seeds}
@@ -82,8 +87,10 @@ def main() -> None:
         train_cmds[algo, seed] = [py, "-m", "jaxrl_term.train", PRESET, f"algo={algo}", f"seed={seed}",
                                   f"eval.seed={seed}", f"model.path={sft / 'hf_final'}", f"run_dir={run}",
                                   f"trainer.steps={args.steps}", *extra]
-        if not args.plot_only and not finished(run):
-            sh(train_cmds[algo, seed], root / "logs" / f"{algo}_seed{seed}.log")
+    todo = [k for k, run in runs.items() if not args.plot_only and not finished(run)]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for fut in [pool.submit(sh, train_cmds[k], root / "logs" / f"{k[0]}_seed{k[1]}.log") for k in todo]:
+            fut.result()
     wall = time.time() - t0
 
     curves = {k: evals(r) for k, r in runs.items()}
@@ -94,9 +101,10 @@ def main() -> None:
     final = {"sft": [curves[first, s][0] for s in seeds]}
     for a in algos:
         final[a] = [curves[a, s][args.steps] for s in seeds]
-    heldout = json.loads((runs[first, seeds[0]] / "eval" / "step_0" / "summary.json").read_text())["tasks"]
+    heldout = json.loads((runs[first, seeds[0]] / "eval" / "step_000000" / "summary.json").read_text())["tasks"]
     command = shlex.join([".venv/bin/python", "experiments/learning_curve/run.py", "--seeds", args.seeds,
-                          "--algos", args.algos, "--steps", str(args.steps), "--sft-steps", str(args.sft_steps),
+                          "--algos", args.algos, "--steps", str(args.steps), "--jobs", str(args.jobs), "--sft-steps", str(args.sft_steps),
+                          "--sft-lr", str(args.sft_lr),
                           *(["--", *extra] if extra else [])])
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
