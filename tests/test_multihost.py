@@ -27,10 +27,20 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
+_handed_out: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port not handed out before in this module: a server binds its port seconds after launch, so the
+    OS could otherwise give the same ephemeral port to the next caller (two servers, or a server and the
+    coordinator, on one port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +113,17 @@ def _params(model_dir) -> dict[str, np.ndarray]:
     return out
 
 
-def _wait(procs, timeout):
+def _wait(procs, timeout, logs=None):
+    """Exit codes; on a timeout every process group is killed and the failure shows the logs' tails."""
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.wait(max(1.0, deadline - time.monotonic()))
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"still running after {timeout} s\n" + (_tail(logs) if logs else ""))
     return [p.returncode for p in procs]
 
 
@@ -118,9 +135,11 @@ def test_two_processes_through_sigkill_and_resume_match_one_process(tmp_path, ti
     cache, logs = tmp_path / "cache", tmp_path / "logs"
     logs.mkdir()
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    port = _free_port()
+    # the one-process reference first, alone: six trainers and servers on two cores at once starve each other
     one = _launch([*_common(tiny_model_dir, one_dir, cache),
-                   f"rollout.sglang.launch.servers=[{{port: {port}, tp_size: 1}}]"], 8, open(logs / "one.log", "ab"), cache)
+                   f"rollout.sglang.launch.servers=[{{port: {_free_port()}, tp_size: 1}}]"], 8,
+                  open(logs / "one.log", "ab"), cache)
+    assert _wait([one], 480, logs) == [0], _tail(logs)
     two = _two(tiny_model_dir, two_dir, cache, logs, coordinator=f"127.0.0.1:{_free_port()}")
     # SIGKILL both processes once step 3's checkpoint is on disk (their servers die with them: PDEATHSIG)
     ckpt = two_dir / "checkpoints" / "3"
@@ -131,12 +150,11 @@ def test_two_processes_through_sigkill_and_resume_match_one_process(tmp_path, ti
     time.sleep(1.5)  # the asynchronous checkpoint commits
     for p in two:
         os.killpg(p.pid, signal.SIGKILL)
-    _wait(two, 30)
+    _wait(two, 30, logs)
     killed_at = _metrics(two_dir)
     assert 4 not in killed_at, "the run was not killed before its end"
     two = _two(tiny_model_dir, two_dir, cache, logs, coordinator=f"127.0.0.1:{_free_port()}")
-    assert _wait(two, 240) == [0, 0], _tail(logs)
-    assert _wait([one], 240) == [0], _tail(logs)
+    assert _wait(two, 480, logs) == [0, 0], _tail(logs)
 
     m1, m2 = _metrics(one_dir), _metrics(two_dir)
     assert sorted(m1) == sorted(m2) == [0, 1, 2, 3, 4]

@@ -181,6 +181,17 @@ def uid_pids(uid: int) -> list[int]:
     return out
 
 
+def limit_hits(events: Path) -> int:
+    """How many forks the pid limit refused so far (the ``max`` counter of ``pids.events``, cgroup v1 and v2; 0
+    when absent). A rise since the last look means the sandbox hit its limit, even if the sampled count is below
+    it: a fork bomb whose processes sleep in bash's fork-retry loop and die holds the count at a fluctuating level."""
+    for line in _read(events).splitlines():
+        key, _, value = line.partition(" ")
+        if key == "max" and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
 def _kill(pids) -> None:
     for pid in pids:
         try:
@@ -274,7 +285,9 @@ class Confinement:
         return len(self.members())
 
     def pid_pressure(self) -> bool:
-        return self.count() >= self.pids * 0.8
+        hits = sum(limit_hits(Path(d) / "pids.events") for d in self.cgroups)
+        refused, self._hits_seen = hits > getattr(self, "_hits_seen", 0), hits
+        return refused or self.count() >= self.pids * 0.8
 
     def kill_all(self, timeout_s: float = 10.0) -> bool:
         """SIGKILL every process of the sandbox until none is left; True if none is."""

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, tar_directory
 from jaxrl_term.sandbox.shell import PersistentShell, kill_command, kill_tree_command
+from jaxrl_term.sandbox.confine import limit_hits
 
 log = logging.getLogger(__name__)
 
@@ -345,10 +346,17 @@ class DockerSandbox:
 
         pids_file = await _call(_pids_current_file, container)
 
+        hits_seen = [limit_hits(pids_file.with_name("pids.events")) if pids_file is not None else 0]
+
         def pid_pressure() -> bool:
-            # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
+            # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there.
+            # Pressure: the limit refused a fork since the last look, or the count is near the limit.
+            if pids_file is None:
+                return False
             try:
-                return pids_file is not None and int(pids_file.read_text()) >= 0.8 * limits.pids
+                hits = limit_hits(pids_file.with_name("pids.events"))
+                refused, hits_seen[0] = hits > hits_seen[0], hits
+                return refused or int(pids_file.read_text()) >= 0.8 * limits.pids
             except (OSError, ValueError):
                 return False
 
