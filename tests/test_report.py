@@ -308,16 +308,21 @@ def test_summary_of_a_sweep_has_one_row_per_job_with_its_overrides(tmp_path: Pat
         job = sweep / str(n)
         shutil.copytree(train_dir, job)
         (job / ".hydra").mkdir()
-        (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in [*ov, f"run_dir={job}"]))
+        (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in [*ov, "trainer.steps=3",
+                                                                                       f"run_dir={job}"]))
     lines = (sweep / "1" / "metrics.jsonl").read_text().replace(f'"eval/pass@1": {PASS1}', '"eval/pass@1": 0.9')
     (sweep / "1" / "metrics.jsonl").write_text(lines)
     rows = summarize_runs([sweep])
-    assert [r["overrides"] for r in rows] == [["algo=grpo", "algo.group_size=4"], ["algo=dppo", "algo.group_size=8"]]
+    assert [r["overrides"] for r in rows] == [["algo=grpo", "algo.group_size=4", "trainer.steps=3"],
+                                              ["algo=dppo", "algo.group_size=8", "trainer.steps=3"]]
     assert [r["steps"] for r in rows] == [3, 3] and [r["eval_last_step"] for r in rows] == [3, 3]
     assert rows[0]["eval_last"] == pytest.approx(PASS1) and rows[1]["eval_last"] == pytest.approx(0.9)
     assert rows[0]["reward_last"] == pytest.approx(0.75)
     out = tmp_path / "table.md"
     assert main(["summary", str(sweep), "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert text == out.read_text() and "algo=dppo algo.group_size=8" in text and "→ 90.0%" in text
+    assert text == out.read_text() and "→ 90.0%" in text
+    # the sweep's axes are columns; what every run shares is said once
+    assert "| run | algo | algo.group_size | steps |" in text and "| 1 | dppo | 8 | 3 |" in text
+    assert "shared by every run: `trainer.steps=3`" in text and text.count("trainer.steps=3") == 1
     assert main(["summary", str(tmp_path / "nothing")]) == 2

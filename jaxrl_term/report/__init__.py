@@ -93,19 +93,40 @@ def summarize_runs(paths: list[str | os.PathLike]) -> list[dict]:
                      "eval_last_step": evals[-1]["step"] if evals else None,
                      "heldout_tasks": as_float(evals[-1].get("eval/tasks")) if evals else None,
                      "reward_last": as_float(steps[-1].get("reward/mean")) if steps else None,
+                     "reward_mean": _mean(as_float(m.get("reward/mean")) for m in steps),
                      "wall_s": wall or None})
     return rows
 
 
+def _mean(xs) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _override_key(o: str) -> str:
+    return o.split("=", 1)[0].lstrip("+~")
+
+
 def summary_markdown(rows: list[dict]) -> str:
+    """The rows as a markdown table: one column per override that differs between runs (the sweep's axes),
+    the overrides every run shares listed once above the table."""
     from jaxrl_term.report.tables import num, pct
 
-    lines = ["| run | overrides | steps | held-out pass@1 first → last (steps) | change | last reward | time in steps s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
+    by_run = [{_override_key(o): o.split("=", 1)[1] if "=" in o else o for o in r["overrides"]} for r in rows]
+    keys = list(dict.fromkeys(k for kv in by_run for k in kv))
+    axes = [k for k in keys if len({kv.get(k) for kv in by_run}) > 1]
+    shared = [o for o in (rows[0]["overrides"] if rows else []) if _override_key(o) not in axes]
+    head = f"Overrides shared by every run: `{' '.join(shared)}`\n\n" if shared and len(rows) > 1 else ""
+    cols = axes if len(rows) > 1 else []
+    lines = ["| run | " + "".join(f"{k} | " for k in cols) + ("" if cols else "overrides | ")
+             + "steps | held-out pass@1 first → last (steps) | change | mean reward | last reward | time in steps s |"]
+    lines.append("|" + " --- |" * (len(cols) + (0 if cols else 1) + 7))
+    for r, kv in zip(rows, by_run):
         first, last = r["eval_first"], r["eval_last"]
-        change = "-" if first is None or last is None else f"{last - first:+.1%}"
-        lines.append(f"| {Path(r['run']).name} | {' '.join(r['overrides']) or '-'} | {r['steps']} | "
+        same_point = r["eval_first_step"] == r["eval_last_step"]
+        change = "-" if first is None or last is None or same_point else f"{last - first:+.1%}"
+        what = "".join(f"{kv.get(k, '-')} | " for k in cols) if cols else f"{' '.join(r['overrides']) or '-'} | "
+        lines.append(f"| {Path(r['run']).name} | {what}{r['steps']} | "
                      f"{pct(first)} → {pct(last)} ({r['eval_first_step']} → {r['eval_last_step']}) | {change} | "
-                     f"{num(r['reward_last'], '.3f')} | {num(r['wall_s'], '.0f')} |")
-    return "\n".join(lines) + "\n"
+                     f"{num(r.get('reward_mean'), '.3f')} | {num(r['reward_last'], '.3f')} | {num(r['wall_s'], '.0f')} |")
+    return head + "\n".join(lines) + "\n"
