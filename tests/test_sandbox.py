@@ -293,3 +293,20 @@ def test_user_shell_options_do_not_break_the_framing(backend):
         assert (await sb.run("echo fresh")).output == "fresh\n"
 
     run(_with(backend, go))
+
+
+def test_signals_blocked_in_the_trainer_do_not_leak_into_the_sandbox(backend):
+    """A SIGINT mask of the spawning thread (a native library's, a background launch) is inherited through fork
+    and exec: the shell must still see SIGINT (status 130, timeouts by SIGINT first)."""
+    import signal
+
+    async def go(sb):
+        assert (await sb.run("sh -c 'kill -INT $$'")).exit_code == 130
+        r = await sb.run("echo started; sleep 30", timeout_s=1)
+        assert r.timed_out and r.exit_code == 130, r
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGQUIT})
+    try:
+        run(_with(backend, go))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -259,7 +259,16 @@ class Confinement:
 
     # -- in the child -----------------------------------------------------------------------------
     def preexec(self) -> None:
-        """Join the cgroups, set the rlimits, drop to the dedicated uid (in that order: as root)."""
+        """Join the cgroups, set the rlimits, drop to the dedicated uid (in that order: as root). First the
+        signal state a fresh terminal would give: a mask and ignored dispositions are inherited through
+        fork and exec, so a SIGINT the trainer's thread had blocked (a native library's thread, a
+        ``nohup``/background launch) would make ``kill -INT`` a no-op and every timeout a SIGKILL (137, not 130)."""
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (ValueError, OSError):  # not this interpreter's main thread: the mask is the usual leak
+                pass
         for d in self.cgroups:
             _write(Path(d) / "cgroup.procs", "0")
         resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
