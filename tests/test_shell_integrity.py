@@ -361,3 +361,17 @@ def test_ci_does_not_skip_docker(docker_client):
     """Under CI=true the Docker half of this file must run (conftest turns a missing engine into a failure)."""
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         assert docker_client.ping()
+
+
+def test_a_fork_refused_by_the_limit_is_pressure_even_when_the_count_is_low_again():
+    """Docker only (the local backend as root also sets RLIMIT_NPROC on its uid, which refuses first and is not
+    counted in pids.events). The count is sampled after the command, when its processes may be gone: a fork the limit refused during
+    the command still counts as pid pressure (the limit's refusal counter), so what the command left is killed."""
+    async def go(sb):
+        r = await sb.run("for i in $(seq 80); do (sleep 0.3) & done 2>/dev/null; wait; sleep 0.5; echo done",
+                         timeout_s=60)
+        assert "done" in r.output and "near its process limit" in r.output, r
+        await _statuses_are_exact(sb)
+        assert "near its process limit" not in (await sb.run("echo calm")).output
+
+    run(_with("docker", go, pids=64))

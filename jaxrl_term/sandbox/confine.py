@@ -182,14 +182,31 @@ def uid_pids(uid: int) -> list[int]:
 
 
 def limit_hits(events: Path) -> int:
-    """How many forks the pid limit refused so far (the ``max`` counter of ``pids.events``, cgroup v1 and v2; 0
-    when absent). A rise since the last look means the sandbox hit its limit, even if the sampled count is below
-    it: a fork bomb whose processes sleep in bash's fork-retry loop and die holds the count at a fluctuating level."""
+    """How many forks the pid limit refused so far: the ``max`` counter of ``pids.events`` (cgroup v1 and v2);
+    0 when absent."""
     for line in _read(events).splitlines():
         key, _, value = line.partition(" ")
         if key == "max" and value.strip().isdigit():
             return int(value)
     return 0
+
+
+class PidPressure:
+    """``()`` -> True when a sandbox is under pid pressure: the limit refused a fork since the last look, or
+    the count is at 80% of the limit or more. The first catches what a sampled count misses: a fork bomb whose
+    processes sleep in bash's fork-retry loop and die holds the count at a fluctuating level below the limit."""
+
+    def __init__(self, limit: int, count, events: list[Path]):
+        self.limit, self._count, self._events = limit, count, events
+        self._seen = self._hits()
+
+    def _hits(self) -> int:
+        return sum(limit_hits(e) for e in self._events)
+
+    def __call__(self) -> bool:
+        hits = self._hits()
+        refused, self._seen = hits > self._seen, hits
+        return refused or self._count() >= 0.8 * self.limit
 
 
 def _kill(pids) -> None:
@@ -293,10 +310,9 @@ class Confinement:
                 return int(_read(Path(d) / "pids.current") or 0)
         return len(self.members())
 
-    def pid_pressure(self) -> bool:
-        hits = sum(limit_hits(Path(d) / "pids.events") for d in self.cgroups)
-        refused, self._hits_seen = hits > getattr(self, "_hits_seen", 0), hits
-        return refused or self.count() >= self.pids * 0.8
+    def pressure(self) -> PidPressure:
+        """The pid-pressure check of this sandbox (made once its cgroups exist)."""
+        return PidPressure(self.pids, self.count, [Path(d) / "pids.events" for d in self.cgroups])
 
     def kill_all(self, timeout_s: float = 10.0) -> bool:
         """SIGKILL every process of the sandbox until none is left; True if none is."""

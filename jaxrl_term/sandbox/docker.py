@@ -33,8 +33,8 @@ import uuid
 from pathlib import Path
 
 from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, tar_directory
+from jaxrl_term.sandbox.confine import PidPressure
 from jaxrl_term.sandbox.shell import PersistentShell, kill_command, kill_tree_command
-from jaxrl_term.sandbox.confine import limit_hits
 
 log = logging.getLogger(__name__)
 
@@ -346,17 +346,13 @@ class DockerSandbox:
 
         pids_file = await _call(_pids_current_file, container)
 
-        hits_seen = [limit_hits(pids_file.with_name("pids.events")) if pids_file is not None else 0]
+        # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
+        pressure = PidPressure(limits.pids, lambda: int(pids_file.read_text()), [pids_file.with_name("pids.events")]) \
+            if pids_file is not None else None
 
         def pid_pressure() -> bool:
-            # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there.
-            # Pressure: the limit refused a fork since the last look, or the count is near the limit.
-            if pids_file is None:
-                return False
             try:
-                hits = limit_hits(pids_file.with_name("pids.events"))
-                refused, hits_seen[0] = hits > hits_seen[0], hits
-                return refused or int(pids_file.read_text()) >= 0.8 * limits.pids
+                return pressure is not None and pressure()
             except (OSError, ValueError):
                 return False
 

@@ -208,7 +208,7 @@ class LocalSandbox:
             self._passwd = True
 
     def _make_shell(self) -> PersistentShell:
-        hooks = {"recover": self._recover, "pid_pressure": self.confine.pid_pressure, "kill_tree": self._kill_tree}
+        hooks = {"recover": self._recover, "pid_pressure": self.confine.pressure(), "kill_tree": self._kill_tree}
         accepted = inspect.signature(PersistentShell.__init__).parameters  # hooks of the shell's own version
         return PersistentShell(self._spawn, self._signal_command, workdir=self.limits.workdir,
                                max_output_bytes=self.limits.max_output_bytes, env=dict(self.limits.env),
