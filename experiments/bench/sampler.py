@@ -7,6 +7,11 @@ time-to-first-token (a 1-token generation). Ours: B concurrent ``generate`` call
 warm-up; both sides alternate within each repeat. Every call gets fresh random prompts, so our engine's prefix
 reuse (which a GRPO group's G episodes do benefit from) never skips a prefill here.
 
+The GEMM bound: the same generation as nothing but its matrix products (every layer's projections and the LM
+head, fp32, XLA's GEMM on this machine: the prefill's at M = B x 64, each decode step's at M = B) timed in the
+same run. No fp32 engine that does these products with this GEMM can beat it; "bound / HF" is the largest
+ratio over transformers that the machine allows for that row, whatever the engine does around the GEMMs.
+
     .venv/bin/python experiments/bench/sampler.py [--repeats 3]
 """
 
@@ -30,7 +35,56 @@ CONFIGS = {
                  num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
 }
 PROMPT, NEW = 64, 64
+GEMM_STEPS = 16  # decode steps per timed call of the GEMM-only program
 SETTLE = 0.5  # s of idle before each timed call: torch's OpenMP workers spin after a call and would slow the next
+
+
+def gemm_bound(cfg: dict, b: int, repeats: int) -> float:
+    """Seconds for the matrix products alone of one call: prefill (B x PROMPT tokens through every layer, the
+    head for the last token of each row) plus NEW - 1 decode steps at M = B (layers and head). Same shapes and
+    dtype (fp32) as the engine's fused weights; each product's input depends on the previous output, so nothing
+    is hoisted or skipped."""
+    import jax
+    import jax.numpy as jnp
+
+    h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    qd, kvd = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    key = iter(jax.random.split(jax.random.PRNGKey(0), 4 * n + 1))
+    layers = [[jax.random.normal(next(key), s, jnp.float32) * 0.02
+               for s in ((h, qd + 2 * kvd), (qd, h), (h, 2 * i), (i, h))] for _ in range(n)]
+    head = jax.random.normal(next(key), (h, v), jnp.float32) * 0.02
+
+    def body(x):
+        for wqkv, wo, wgu, wd in layers:
+            x = x + (x @ wqkv)[:, :qd] @ wo
+            x = x + (x @ wgu)[:, :i] @ wd
+        return x
+
+    @jax.jit
+    def prefill(x):
+        x = body(x)
+        return x[:b] @ head
+
+    @jax.jit
+    def decode(x):
+        def step(x, _):
+            logits = body(x) @ head
+            return x + logits[:, :h] * 1e-6, None
+        return jax.lax.scan(step, x, None, length=GEMM_STEPS)[0]
+
+    xp, xd = jnp.ones((b * PROMPT, h), jnp.float32), jnp.ones((b, h), jnp.float32)
+    prefill(xp).block_until_ready()
+    decode(xd).block_until_ready()
+    tp, td = [], []
+    for _ in range(repeats):
+        time.sleep(SETTLE)
+        t0 = time.perf_counter()
+        prefill(xp).block_until_ready()
+        tp.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        decode(xd).block_until_ready()
+        td.append(time.perf_counter() - t0)
+    return min(tp) + min(td) / GEMM_STEPS * (NEW - 1)
 
 
 def main() -> None:
@@ -51,8 +105,9 @@ def main() -> None:
     from jaxrl_term.rollout.jax_engine import JaxEngine, JaxEngineConfig
 
     torch.set_num_threads(os.cpu_count() or 1)
-    header = ("| config | batch | ours tok/s | transformers tok/s | ratio (ours/HF) | ours TTFT ms | HF TTFT ms |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |")
+    header = ("| config | batch | ours tok/s | transformers tok/s | ratio (ours/HF) | ours TTFT ms | HF TTFT ms "
+              "| GEMM-bound tok/s | ours / bound | bound / HF |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(header)
     rows = []
     for name in args.configs.split(","):
@@ -103,8 +158,10 @@ def main() -> None:
             assert reuse < 0.01, f"{reuse:.1%} of prompt tokens reused: the prefill was not measured"
             med = {k: statistics.median(v) for k, v in t.items()}
             tps_o, tps_h = b * NEW / med["ours"], b * NEW / med["hf"]
+            tps_b = b * NEW / gemm_bound(CONFIGS[name], b, args.repeats)
             row = (f"| {name} | {b} | {tps_o:,.0f} | {tps_h:,.0f} | {tps_o / tps_h:.2f} | "
-                   f"{med['ours_ttft'] * 1000:.0f} | {med['hf_ttft'] * 1000:.0f} |")
+                   f"{med['ours_ttft'] * 1000:.0f} | {med['hf_ttft'] * 1000:.0f} | {tps_b:,.0f} | "
+                   f"{tps_o / tps_b:.2f} | {tps_b / tps_h:.2f} |")
             print(row, flush=True)
             rows.append(row)
         engine.close()
@@ -114,7 +171,10 @@ def main() -> None:
            f"unstack_layers={JaxEngineConfig.unstack_layers}, fuse_projections={JaxEngineConfig.fuse_projections}, "
            f"contiguous_head={JaxEngineConfig.contiguous_head}); fresh prompts every call; {SETTLE} s idle before each timed call.")
     text = ("# Sampling: embedded JAX engine (continuous batching, KV cache) vs transformers `generate`\n\n"
-            f"{env} TTFT = a 1-token generation for the whole batch.\n\n"
+            f"{env} TTFT = a 1-token generation for the whole batch. GEMM-bound: the same generation as nothing "
+            "but its matrix products (every layer's projections and the LM head, fp32, XLA's GEMM, timed in this "
+            "run): no fp32 engine built on that GEMM beats it, so `bound / HF` is the largest ratio the machine "
+            "allows for the row and `ours / bound` how close the engine comes.\n\n"
             f"Reproduce: `.venv/bin/python experiments/bench/sampler.py`\n\n{header}\n" + "\n".join(rows) + "\n")
     Path(args.out).write_text(text)
     print(f"\nwritten to {args.out}")

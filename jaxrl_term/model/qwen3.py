@@ -489,16 +489,20 @@ def decoder_layer_cached(
     opts: ModelOptions,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``decoder_layer`` for generation. x [B, T, H]: new tokens of cache rows ``rows`` [B] at positions
-    write_pos + t. Their K/V are scattered into the full caches kc / vc [L, R, S, Nkv, D] at (layer, row,
-    position) in place (inputs with ``write_ok`` False write nothing); queries attend to cached positions
-    < ``attn_len`` up to their own. ``p`` may hold fused ``qkv_proj`` [H, (Nq + 2 Nkv) D] and ``gate_up_proj``
-    [H, 2 I] (``fuse_projections``) instead of the separate weights."""
+    write_pos + t. Their K/V are scattered into the full caches (``kv_cache_shapes``: kc [L, R, Nkv, D, S],
+    vc [L, R, Nkv, S, D]) at (layer, row, position) in place (inputs with ``write_ok`` False write nothing);
+    queries attend to cached positions < ``attn_len`` up to their own. The layouts are the ones the two attention
+    products read without a transpose (keys as [D, S] and values as [S, D] per row and head): with the
+    position-major layout [R, S, Nkv, D], XLA on a CPU transposed a copy of every layer's attended K and V on each
+    decode step, 15% of a 100M model's step at batch 32. ``p`` may hold fused ``qkv_proj`` [H, (Nq + 2 Nkv) D],
+    ``gate_up_proj`` [H, 2 I] and a flat ``o_proj`` [Nq D, H] (``fuse_projections``) instead of the separate
+    weights."""
     cd, eps = opts.cdtype, cfg.rms_norm_eps
     pc = {k: v.astype(cd) for k, v in p.items()}
     b, t, _ = x.shape
+    nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, pc["input_layernorm"], eps)
     if "qkv_proj" in pc:  # fused (fuse_projections): one matmul for q, k and v
-        nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         qkv = jnp.einsum("bth,hf->btf", h, pc["qkv_proj"])
         q = qkv[..., : nq * d].reshape(b, t, nq, d)
         k = qkv[..., nq * d: (nq + nkv) * d].reshape(b, t, nkv, d)
@@ -511,15 +515,28 @@ def decoder_layer_cached(
     k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
     qpos = write_pos[:, None] + jnp.arange(t)[None, :]  # [B, T]
     # out-of-range positions are dropped by the scatter: that is how inactive rows write nothing
-    wpos = jnp.where(write_ok[:, None], qpos, kc.shape[2])
-    r2 = jnp.broadcast_to(rows[:, None], (b, t))
-    kc = kc.at[layer, r2, wpos].set(k.astype(kc.dtype), mode="drop")
-    vc = vc.at[layer, r2, wpos].set(v.astype(vc.dtype), mode="drop")
-    keys = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)[rows, :attn_len].astype(cd)
-    vals = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)[rows, :attn_len].astype(cd)
-    mask = jnp.arange(attn_len)[None, None, :] <= qpos[:, :, None]
-    o = dot_attention(q, keys, vals, mask, 1.0 / math.sqrt(cfg.head_dim))
-    x = x + jnp.einsum("btnd,ndh->bth", o, pc["o_proj"])
+    s_len = kc.shape[-1]
+    wpos = jnp.where(write_ok[:, None], qpos, s_len)[:, None, :]  # [B, 1, T]
+    r3, h3 = rows[:, None, None], jnp.arange(nkv)[None, :, None]
+    # index (layer, row, head, :, pos) -> [B, Nkv, T, D]: the updates in the same order for both caches
+    kc = kc.at[layer, r3, h3, :, wpos].set(jnp.swapaxes(k, 1, 2).astype(kc.dtype), mode="drop")
+    vc = vc.at[layer, r3, h3, wpos].set(jnp.swapaxes(v, 1, 2).astype(vc.dtype), mode="drop")
+    keys = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)[rows, :, :, :attn_len].astype(cd)
+    vals = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)[rows, :, :attn_len].astype(cd)
+    g = nq // nkv
+    # [B, Nkv, G*T, D]: batch dimensions leading, so both products are plain batched matmuls (XLA's CPU backend
+    # sends other dimension orders to a generic dot several times slower)
+    qg = jnp.transpose(q.reshape(b, t, nkv, g, d), (0, 2, 3, 1, 4)).reshape(b, nkv, g * t, d)
+    sc = jnp.einsum("bkmd,bkds->bkms", qg, keys, preferred_element_type=jnp.float32) / math.sqrt(d)
+    mask = jnp.arange(attn_len)[None, :] <= jnp.tile(qpos, (1, g))[:, :, None]  # [B, G*T, S], g-major rows
+    sc = jnp.where(mask[:, None], sc, jnp.finfo(jnp.float32).min)  # as dot_attention
+    pr = jax.nn.softmax(sc, axis=-1).astype(vals.dtype)
+    o = jnp.einsum("bkms,bksd->bkmd", pr, vals).reshape(b, nkv, g, t, d)
+    o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, nq * d)
+    if pc["o_proj"].ndim == 2:  # flat (fuse_projections)
+        x = x + jnp.einsum("btf,fh->bth", o, pc["o_proj"])
+    else:
+        x = x + jnp.einsum("btf,fh->bth", o, pc["o_proj"].reshape(nq * d, -1))
     h = rms_norm(x, pc["post_attention_layernorm"], eps)
     if "gate_up_proj" in pc:
         gu = jnp.einsum("bth,hi->bti", h, pc["gate_up_proj"])
@@ -551,7 +568,7 @@ def forward_cached_layers(
         write_ok = jnp.ones((b,), bool)
     if rows is None:
         rows = jnp.arange(b)
-    attn_len = attn_len or k_cache.shape[2]
+    attn_len = attn_len or k_cache.shape[-1]
     positions = write_pos[:, None] + jnp.arange(t)[None, :]
     x = jnp.take(embed, input_ids, axis=0).astype(opts.cdtype)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
@@ -573,9 +590,11 @@ def forward_cached_layers(
 
 def fuse_projections(p: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     """One layer's weights with q/k/v and gate/up concatenated (two matmuls instead of five: on a CPU a decode
-    step's small matmuls are dominated by per-kernel cost, not arithmetic)."""
+    step's small matmuls are dominated by per-kernel cost, not arithmetic), and ``o_proj`` flattened to
+    [Nq D, H] once (reshaped inside the program, XLA on a CPU copied it on every decode step)."""
     out = {k: v for k, v in p.items() if k not in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}
     h = p["q_proj"].shape[0]
+    out["o_proj"] = p["o_proj"].reshape(-1, p["o_proj"].shape[-1])
     out["qkv_proj"] = jnp.concatenate([p[n].reshape(h, -1) for n in ("q_proj", "k_proj", "v_proj")], axis=1)
     out["gate_up_proj"] = jnp.concatenate([p["gate_proj"], p["up_proj"]], axis=1)
     return out
@@ -717,7 +736,8 @@ class Qwen3(nnx.Module):
         """Run new tokens against a KV cache (prefill chunks and decode steps).
 
         input_ids: [B, T] for cache rows ``rows`` [B] (default 0..B-1) at positions ``write_pos[b] + t``;
-        k_cache / v_cache: [L, R, S, Nkv, D], updated in place (donate them). Only cache positions < ``attn_len``
+        k_cache [L, R, Nkv, D, S] / v_cache [L, R, Nkv, S, D] (``kv_cache_shapes``), updated in place (donate
+        them). Only cache positions < ``attn_len``
         (static; default S) are attended. Inputs with ``write_ok`` False leave the cache untouched.
         Returns final-normed hidden [B, T, H] and the caches.
         """
@@ -725,9 +745,12 @@ class Qwen3(nnx.Module):
                                      self.layers.stacked(), input_ids, write_pos, k_cache, v_cache, write_ok,
                                      attn_len, rows)
 
-    def kv_cache_shape(self, batch: int, length: int) -> tuple[int, ...]:
+    def kv_cache_shapes(self, batch: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(K cache [L, R, Nkv, D, S], V cache [L, R, Nkv, S, D]) for ``batch`` rows of ``length`` positions: each
+        in the layout its attention product reads (see ``decoder_layer_cached``)."""
         c = self.config
-        return (c.num_hidden_layers, batch, length, c.num_key_value_heads, c.head_dim)
+        lead = (c.num_hidden_layers, batch, c.num_key_value_heads)
+        return lead + (c.head_dim, length), lead + (length, c.head_dim)
 
     def __call__(
         self,

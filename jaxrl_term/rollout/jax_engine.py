@@ -91,7 +91,7 @@ def _decode(w, kc, vc, tokens, pos, active, rows, temps, top_ps, top_ks, seeds, 
     the dispatch of a few hundred small kernels) is paid once per ``n_steps`` tokens. Rows keep going after
     their own stop; the caller discards those tokens, and their K/V lie past the row's end (positions past the
     cache are dropped). Returns tokens [n, B], log-probs [n, B] and the caches."""
-    s = kc.shape[2]
+    s = kc.shape[-1]
 
     def step(carry, i):
         tok, kc, vc = carry
@@ -195,8 +195,8 @@ class JaxEngine:
         self.w = self._weights(params, copy=False)
         b, s = self.cfg.max_batch, self.cfg.max_seq_len
         cache_dtype = model.options.cdtype
-        self.kc = jnp.zeros(model.kv_cache_shape(b, s), cache_dtype)
-        self.vc = jnp.zeros(model.kv_cache_shape(b, s), cache_dtype)
+        k_shape, v_shape = model.kv_cache_shapes(b, s)
+        self.kc, self.vc = jnp.zeros(k_shape, cache_dtype), jnp.zeros(v_shape, cache_dtype)
         self.weight_version = weight_version
         self.slots: list[_Request | None] = [None] * b
         self.slot_cache: list[list[int]] = [[] for _ in range(b)]  # tokens whose K/V a free slot still holds
@@ -529,7 +529,7 @@ class JaxEngine:
 
     def _decode_all(self) -> None:
         """Decode steps for the active slots, compacted to a power-of-two batch (1, 2, 4, ... max_batch):
-        ``decode_steps`` of them per call while every row has that many tokens left to generate, else one."""
+        ``decode_steps`` of them per call, halved while that is more than the most tokens any row has left."""
         live = [i for i, r in enumerate(self.slots) if r is not None]
         b = self.cfg.max_batch if self.cfg.deterministic else _bucket(len(live), 1, self.cfg.max_batch)
         tokens, pos = np.zeros(b, np.int32), np.zeros(b, np.int32)
@@ -541,8 +541,9 @@ class JaxEngine:
             left = max(left, min(r.sampling.max_new_tokens - len(r.out),
                                  self.cfg.max_seq_len - 1 - len(r.ids) - len(r.out)))
         n = max(1, self.cfg.decode_steps)
-        if not self.cfg.deterministic and left < n:
-            n = 1  # two program shapes per batch width, not one per remaining length
+        if not self.cfg.deterministic:
+            while n > left:  # halve: about log2(decode_steps) program shapes per batch width, not one per
+                n //= 2  # remaining length, and 15 tokens left take 4 calls (8 + 4 + 2 + 1), not 15
         attn = _bucket(int(pos[: len(live)].max()) + n, self.cfg.min_bucket, self.cfg.max_seq_len)
         if self.cfg.deterministic:
             attn = self.cfg.max_seq_len
