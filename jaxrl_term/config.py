@@ -400,6 +400,45 @@ class EvalRunConfig(Config):
     policy: PolicyCfg = field(default_factory=PolicyCfg)
 
 
+@dataclasses.dataclass
+class DatagenPassRateCfg:
+    """Optional policy rollouts on validated tasks (``jaxrl_term.eval`` with ``eval_overrides``)."""
+
+    enabled: bool = False
+    attempts: int = 4
+    band: list[float] = field(default_factory=lambda: [0.1, 0.9])  # keep tasks with pass@1 inside [lo, hi]
+    eval_overrides: list[str] = field(default_factory=lambda: ["policy=nop"])  # e.g. policy=checkpoint policy.path=...
+
+
+@dataclasses.dataclass
+class DatagenCfg:
+    """``python -m jaxrl_term.datagen run +datagen=NAME``: Tmax-style task generation (``jaxrl_term.datagen``)."""
+
+    name: str = "datagen"
+    taxonomy: Optional[str] = None  # a taxonomy YAML; None = ../shared/datasets/tmax-taxonomy/taxonomy.yaml
+    n: int = 100  # specs to draw (spec i of a seed is always the same spec)
+    seed: int = 0
+    mix: Optional[str] = "tmax_15k"  # corpus-kind mix (a section of the taxonomy with parts); or set corpus
+    corpus: Optional[str] = None  # legacy | sft_v2 | rl_v2 (then mix must be null)
+    specs: Optional[str] = None  # a specs.jsonl (``datagen sample --out``) instead of drawing
+    out_dir: str = "datagen/${datagen.name}"
+    base_image: str = "jaxrl-term/base:trixie"  # FROM line every generated Dockerfile must use
+    jobs: int = 2
+    max_repairs: int = 2  # per spec, format + build + test repairs together
+    dedup_threshold: float = 0.8  # MinHash-LSH Jaccard threshold over instruction word 5-grams
+    ngram: int = 13  # decontamination: word n-grams shared with an evaluation task
+    decontaminate: list[str] = field(default_factory=lambda: ["builtin:heldout"])  # evaluation task sources
+    scoring: str = "weighted"  # how nop / oracle are scored (weighted: no test may pass initially)
+    teacher: JudgeCfg = field(default_factory=JudgeCfg)  # endpoints, fallback, breakers: the judge's client
+    pass_rate: DatagenPassRateCfg = field(default_factory=DatagenPassRateCfg)
+
+
+@dataclasses.dataclass
+class DatagenRunConfig:
+    datagen: DatagenCfg = field(default_factory=DatagenCfg)
+    sandbox: SandboxCfg = field(default_factory=SandboxCfg)
+
+
 class ConfigError(ValueError):
     """A config that composes but cannot run; the message names the key and the fix."""
 
@@ -605,6 +644,7 @@ def register() -> None:
     cs.store(name="config_schema", node=Config)
     cs.store(name="eval_config_schema", node=EvalRunConfig)
     cs.store(name="sft_config_schema", node=SFTRunConfig)
+    cs.store(name="datagen_config_schema", node=DatagenRunConfig)
 
 
 def preflight_for_plan(cfg) -> None:
