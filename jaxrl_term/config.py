@@ -92,6 +92,16 @@ class SandboxCfg:
 
 
 @dataclasses.dataclass
+class CurriculumCfg:
+    """Training-task sampling that prefers tasks whose recent pass rate is inside ``band`` (tasks/curriculum.py)."""
+
+    enabled: bool = False
+    band: list[float] = field(default_factory=lambda: [0.2, 0.8])
+    window: int = 4  # groups per task that make its recent pass rate
+    out_of_band_weight: float = 0.1  # relative weight of a task outside the band (> 0: it can come back)
+
+
+@dataclasses.dataclass
 class DataCfg:
     source: Optional[str] = "builtin"
     split: str = "train"
@@ -103,6 +113,7 @@ class DataCfg:
     limit: Optional[int] = None
     skip_bad: bool = True
     seed: int = 0
+    curriculum: CurriculumCfg = field(default_factory=CurriculumCfg)
 
 
 @dataclasses.dataclass

@@ -185,6 +185,7 @@ class Trainer:
         del model
         self.ref_params = None
         self.start_step, self.start_seq = 0, 0
+        self.curriculum_state = None  # the curriculum sampler's state from the checkpoint
         resume, latest = cfg.trainer.resume, self.ckpt.latest_step()
         if resume == "true" and latest is None:
             raise FileNotFoundError(f"trainer.resume=true but {self.run_dir / 'checkpoints'} has no checkpoint")
@@ -192,6 +193,7 @@ class Trainer:
         if latest is not None and resume in ("auto", "true"):
             self.state, meta = self.ckpt.restore(self.ts.abstract_state())  # collective: every process
             self.start_step, self.start_seq = int(meta["step"]), int(meta["seq"])
+            self.curriculum_state = meta.get("curriculum")
             log.info("resumed from %s at step %d (data cursor %d)", self.run_dir / "checkpoints", self.start_step,
                      self.start_seq)
         self.engine = self.backend = self.builder = self.reward = None
@@ -256,6 +258,19 @@ class Trainer:
         sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=agent.max_tokens_per_turn)
         self.reward = OmegaConf.to_object(cfg.reward).mixer()
+        sampler = None
+        if cfg.data.curriculum.enabled:
+            from jaxrl_term.tasks.curriculum import CurriculumSampler, CurriculumSettings
+
+            cur = cfg.data.curriculum
+            sampler = CurriculumSampler(tasks, cfg.seed, CurriculumSettings(tuple(cur.band), cur.window,
+                                                                            cur.out_of_band_weight),
+                                        lookahead=cfg.trainer.groups_per_step * (1 + cfg.trainer.max_off_policy_steps),
+                                        state=self.curriculum_state)
+            if self.curriculum_state is None and self.start_seq:
+                log.warning("resumed at data cursor %d without a curriculum state in the checkpoint (written "
+                            "without data.curriculum): the curriculum starts from no observations", self.start_seq)
+                sampler.cursor = self.start_seq
         return RolloutPipeline(
             tasks, engine=self.engine, tokenizer=self.tok, scaffold_factory=agent.scaffold_obj,
             group_size=self.algo.group_size, groups_per_step=cfg.trainer.groups_per_step, sampling=sampling,
@@ -265,7 +280,7 @@ class Trainer:
             max_episode_retries=cfg.trainer.max_episode_retries, drop_zero_variance=cfg.trainer.drop_zero_variance,
             max_filtered_per_step=cfg.trainer.max_filtered_per_step,
             max_off_policy_steps=cfg.trainer.max_off_policy_steps, enable_thinking=agent.enable_thinking,
-            seed=cfg.seed, start_seq=self.start_seq, policy_version=self.start_step)
+            seed=cfg.seed, start_seq=self.start_seq, policy_version=self.start_step, sampler=sampler)
 
     def make_builder(self):
         """Process 0's sandbox backend and image builder (reaping leftovers of earlier runs first)."""
@@ -502,6 +517,8 @@ class Trainer:
                     groups = await pipeline.get_batch(step)
                     batch, rewards, adv = self.build_batch(groups, step)
                     arrays, meta = batch_arrays(batch), {"seq": pipeline.consumed}
+                    if hasattr(pipeline.sampler, "state"):  # the curriculum as of this cursor, for the checkpoint
+                        meta["curriculum"] = pipeline.sampler.state()
                     if time_share:  # the servers are idle (synchronous run): free their memory for the update
                         await self.engine.release_memory()
                 t1 = time.monotonic()
@@ -523,7 +540,9 @@ class Trainer:
                 t3e = time.monotonic()
                 if tcfg.checkpoint_every and (step + 1) % tcfg.checkpoint_every == 0:
                     self.ckpt.save(step + 1, self.state, {"step": step + 1, "seq": int(meta["seq"]),
-                                                          "policy_version": step + 1})
+                                                          "policy_version": step + 1,
+                                                          **({"curriculum": meta["curriculum"]}
+                                                             if meta.get("curriculum") else {})})
                 skips = self.count_skips(hist)  # the same metrics on every process: all stop together
                 if skips >= tcfg.max_consecutive_skips:
                     raise RuntimeError(

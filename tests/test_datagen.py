@@ -261,3 +261,45 @@ def test_pipeline_keeps_exactly_the_valid_tasks_and_resumes(tmp_path, docker_cli
         assert len(load_tasks(out / "harbor")) == 4
     finally:
         server.stop()
+
+
+def test_run_cli_refuses_a_config_without_a_teacher(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "jaxrl_term.datagen", "run", f"datagen.out_dir={tmp_path}/x"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "datagen.teacher.endpoints: empty" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jaxrl_term.datagen", "run", "+datagen=example",
+                        f"datagen.out_dir={tmp_path}/x"], capture_output=True, text=True, cwd=ROOT,
+                       env={k: v for k, v in __import__("os").environ.items() if k != "OPENROUTER_API_KEY"})
+    assert r.returncode == 2 and "OPENROUTER_API_KEY is not set" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jaxrl_term.datagen", "run", "datagen.nope=1"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "nope" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_pass_rate_band_rejects_tasks_the_policy_never_solves(tmp_path, docker_client):
+    """datagen.pass_rate: validated tasks are evaluated with jaxrl_term.eval (here the nop policy: pass@1 = 0)
+    and rejected as out_of_band when their pass rate is outside the band; nothing is exported for them."""
+    from jaxrl_term.datagen.__main__ import compose
+    from jaxrl_term.datagen.run import run_datagen
+
+    import asyncio
+
+    server = TeacherServer({"one": [file_task("one.txt", "line one")], "two": [file_task("two.txt", "line two")]}).start()
+    specs = tmp_path / "specs.jsonl"
+    specs.write_text("".join(json.dumps(_spec(n, i).to_json()) + "\n" for i, n in enumerate(["one", "two"])))
+    out = tmp_path / "gen"
+    try:
+        cfg = compose([f"datagen.out_dir={out}", f"datagen.specs={specs}", "datagen.pass_rate.enabled=true",
+                       "datagen.pass_rate.attempts=1", "datagen.pass_rate.band=[0.5,1.0]",
+                       "datagen.pass_rate.eval_overrides=['policy=nop']", "datagen.decontaminate=[]",
+                       f"datagen.teacher.endpoints=[{{name:scripted,base_url:'{server.url}',model:teacher}}]"])
+        summary = asyncio.run(run_datagen(cfg))
+    finally:
+        server.stop()
+    recs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["reason"], r["pass_rate"]) for r in recs] == [("rejected", "out_of_band", 0.0)] * 2
+    assert summary["kept"] == 0 and not (out / "harbor").exists()
+    assert "| 0.0–0.1 | 2 |" in (out / "report.md").read_text()

@@ -118,8 +118,10 @@ def test_tiny_run_end_to_end_with_async_rollouts(tmp_path):
 
 
 def test_sigkill_then_resume_continues_with_the_same_tasks_and_params(tmp_path):
+    """With the curriculum sampler on (its draws depend on the pass rates observed before the kill, saved in the
+    checkpoint): the resumed run restores the params, draws the same next tasks and makes the same next update."""
     common = [*QUICK, "trainer.steps=3", "trainer.checkpoint_every=1", "trainer.deterministic_engine=true",
-              "trainer.log_param_digest=true"]
+              "trainer.log_param_digest=true", "data.curriculum.enabled=true"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     a = _train([*common, f"run_dir={a_dir}"])
     assert a.returncode == 0, a.stderr[-3000:]
@@ -146,6 +148,7 @@ def test_sigkill_then_resume_continues_with_the_same_tasks_and_params(tmp_path):
     after = [m for m in bm if m["step"] >= start and "task_ids" in m]
     assert after[0]["step"] == start and after[0]["task_ids"] == am[start]["task_ids"]  # the same next tasks
     assert after[0]["params_digest"] == am[start]["params_digest"]  # and the same next update
+    assert am[2]["curriculum/tasks_seen"] >= 1  # the curriculum had observations to lose
 
 
 # -------------------------------------------------------------------------------------- pipeline faults

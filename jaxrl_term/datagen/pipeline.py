@@ -255,6 +255,7 @@ class Pipeline:
                     o.status, o.reason = "rejected", "out_of_band"
                     o.detail = f"pass rate {o.pass_rate} outside [{lo}, {hi}]"
                     self.dedup.release(o.task_id)
+                    self._pending.pop(o.spec_id, None)
                 else:
                     self._keep_files(o)
                 self._record(o)

@@ -44,8 +44,8 @@ def eval_pass_rates(out: Path, attempts: int, overrides: list[str]):
 
         cand = out / "candidates"
         export_harbor(tasks, cand)
-        cfg = compose([f"data.source={cand}", f"eval.attempts={attempts}", f"run_dir={out / 'pass_rate'}",
-                       *overrides])
+        cfg = compose([f"data.source={cand}", "data.difficulties=null", f"eval.attempts={attempts}",
+                       f"run_dir={out / 'pass_rate'}", *overrides])
         summary = await run_eval(cfg)
         return {tid: v.get("pass@1") for tid, v in summary["per_task"].items()}
 
@@ -74,15 +74,16 @@ async def run_datagen(cfg, *, builder=None, check=None) -> dict:
                     band=tuple(pr.band))
     left = [s for s in specs if s.spec_id not in pipe.done]
     log.info("%d specs, %d already done in %s; %d to go", len(specs), len(specs) - len(left), out, len(left))
-    counts = {"kept": 0, "rejected": 0, "error": 0}
+    counts = {"kept": 0, "rejected": 0, "error": 0, "validated": 0}
     with Progress(TextColumn("datagen"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                   TimeElapsedColumn()) as bar:
         job = bar.add_task("", total=len(left))
 
         def tick(o) -> None:
-            counts[o.status] += 1
-            bar.update(job, advance=1, description=f"kept {counts['kept']} rejected {counts['rejected']} "
-                                                   f"errors {counts['error']}")
+            status = "validated" if (o.status == "kept" and pr.enabled) else o.status  # the band comes later
+            counts[status] += 1
+            bar.update(job, advance=1, description=f"kept {counts['kept']} validated {counts['validated']} "
+                                                   f"rejected {counts['rejected']} errors {counts['error']}")
             log.info("%s: %s %s %s", o.spec_id, o.status, o.reason, o.detail[:200])
 
         try:

@@ -123,10 +123,12 @@ class RolloutPipeline:
         seed: int = 0,
         start_seq: int = 0,
         policy_version: int = 0,
+        sampler=None,
     ):
         if group_size < 2:
             raise ValueError("algo.group_size must be >= 2 for group-relative advantages")
-        self.sampler = TaskSampler(tasks, seed)
+        # ``sampler``: TaskSampler (default) or tasks.curriculum.CurriculumSampler (observes consumed groups)
+        self.sampler = sampler or TaskSampler(tasks, seed)
         self.engine, self.tok, self.scaffold_factory = engine, tokenizer, scaffold_factory
         self.G, self.n = group_size, groups_per_step
         self.sampling, self.limits = sampling, limits
@@ -206,6 +208,10 @@ class RolloutPipeline:
             self._tasks[seq] = asyncio.create_task(self._run_group(seq))
 
     async def _run_group(self, seq: int) -> None:
+        ready = getattr(self.sampler, "ready", None)
+        if ready is not None and not ready(seq):  # a curriculum draws from the groups consumed before seq - L
+            async with self._changed:
+                await self._changed.wait_for(lambda: ready(seq))
         task = self.sampler.task(seq)
         t0 = time.monotonic()
         try:
@@ -316,6 +322,9 @@ class RolloutPipeline:
             async with self._changed:  # decide under the lock: the producer's budget depends on `taken`
                 await self._changed.wait_for(lambda: self.consumed in self._results)
                 g = self._results.pop(self.consumed)
+                observe = getattr(self.sampler, "observe", None)
+                if observe is not None:
+                    observe(self.consumed, None if g.error else g)
                 self.consumed += 1
                 if g.error:
                     self.counters["groups_dropped_errors"] += 1
@@ -338,6 +347,8 @@ class RolloutPipeline:
     def take_counters(self) -> dict[str, int]:
         out = {f"pipeline/{k}": v for k, v in self.counters.items()}
         out.update({f"episode/end_{k}": v for k, v in self.end_reasons.items()})
+        if hasattr(self.sampler, "take_metrics"):
+            out.update(self.sampler.take_metrics())
         self.counters.clear()
         self.end_reasons.clear()
         return out

@@ -23,10 +23,12 @@ def load_dataset(
     limit: int | None = None,
     skip_bad: bool = True,
     seed: int = 0,
+    curriculum=None,
 ) -> list[Task]:
     """``source``: ``builtin`` (``n_per_cell`` instances per family x difficulty from ``split``), or anything
     ``load_tasks`` reads. Filters apply in order (difficulties, ids, exclusions); ``limit`` keeps a seeded
-    random subset. Bad tasks are skipped with a warning when ``skip_bad``."""
+    random subset. Bad tasks are skipped with a warning when ``skip_bad``. ``curriculum`` (the data config's
+    sampler settings) is accepted and ignored: it decides the order of training, not the task set."""
     if source == "builtin":
         from jaxrl_term.tasks.builtin import DIFFICULTIES, builtin_tasks
 
