@@ -651,6 +651,12 @@ def validate(cfg, *, need_paths: bool = True, training: bool = True) -> None:
 
 
 def register() -> None:
+    from omegaconf import OmegaConf
+
+    from jaxrl_term.utils.paths import shared_path
+
+    if not OmegaConf.has_resolver("shared"):  # ${shared:datasets/...}: a path under the project's shared/ folder
+        OmegaConf.register_new_resolver("shared", shared_path)
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(name="eval_config_schema", node=EvalRunConfig)

@@ -31,8 +31,9 @@ from typing import Any
 
 import yaml
 
-# ../shared next to the checkout (read there, never copied into the repository)
-DEFAULT_TAXONOMY = Path(__file__).resolve().parents[2].parent / "shared" / "datasets" / "tmax-taxonomy" / "taxonomy.yaml"
+from jaxrl_term.utils.paths import shared_dir
+
+DEFAULT_TAXONOMY = shared_dir() / "datasets" / "tmax-taxonomy" / "taxonomy.yaml"
 MIXED_AXES = ("task_complexity", "verifier_kind", "fixture_kind")  # the axes the corpus kind decides
 SPEC_KEYS = ("spec_id", "corpus_kind", "domain", "skill_type", "primitive_skills", "persona", "command_complexity",
              "task_complexity", "verifier_kind", "fixture_kind", "language", "real_software_anchor", "base_image")
@@ -192,8 +193,8 @@ def load_taxonomy(path: str | Path | None = None) -> Taxonomy:
     """Read and check a taxonomy YAML; every error names the file and the field."""
     p = Path(path) if path else DEFAULT_TAXONOMY
     if not p.is_file():
-        hint = (" (the default is ../shared/datasets/tmax-taxonomy/taxonomy.yaml next to the checkout; give "
-                "--taxonomy PATH or datagen.taxonomy=PATH)") if not path else ""
+        hint = (" (the default is shared/datasets/tmax-taxonomy/taxonomy.yaml beside the checkout, or under "
+                "$JAXRL_TERM_SHARED; give --taxonomy PATH or datagen.taxonomy=PATH)") if not path else ""
         raise TaxonomyError(f"taxonomy file {p} does not exist{hint}")
     try:
         raw = yaml.safe_load(p.read_text())
