@@ -136,6 +136,37 @@ def test_save_overwrites_atomically_and_copies_tokenizer(tmp_path, tiny_tokenize
     shutil.rmtree(out)
 
 
+def test_exported_special_token_ids_belong_to_the_vocabulary(tmp_path, tiny_tokenizer_dir):
+    """config.json's bos / eos ids come from the tokenizer saved with the weights (the tiny 1,024-token one:
+    <|endoftext|> and <|im_end|>), never Qwen's 151643 / 151645 for a vocabulary that does not hold them;
+    transformers reads them back; without a tokenizer a small vocabulary gets none, Qwen3's gets Qwen's."""
+    import transformers
+
+    from jaxrl_term.model.qwen3 import Qwen3Config
+    from jaxrl_term.model.tokenizer import load_tokenizer
+
+    hf_checkpoint(tmp_path / "src", vocab_size=1024)
+    model = load_pretrained(tmp_path / "src")
+    save_pretrained(model, tmp_path / "out", dtype="float32", tokenizer_dir=tiny_tokenizer_dir)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    assert cfg["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>") < cfg["vocab_size"]
+    assert cfg["bos_token_id"] == tok.convert_tokens_to_ids("<|endoftext|>") < cfg["vocab_size"]
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").eos_token_id == cfg["eos_token_id"]
+    save_pretrained(model, tmp_path / "bare", dtype="float32")
+    bare = json.loads((tmp_path / "bare" / "config.json").read_text())
+    assert "eos_token_id" not in bare and "bos_token_id" not in bare
+    small = load_pretrained(tmp_path / "bare")  # 1,024 rows; a 512-row model with the same tokenizer drops them
+    hf_checkpoint(tmp_path / "src512")
+    save_pretrained(load_pretrained(tmp_path / "src512"), tmp_path / "o512", dtype="float32",
+                    tokenizer_dir=tiny_tokenizer_dir)
+    assert "eos_token_id" not in json.loads((tmp_path / "o512" / "config.json").read_text())
+    assert small.config.vocab_size == 1024
+    big = Qwen3Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_hf()
+    assert (big["bos_token_id"], big["eos_token_id"]) == (151643, 151645)
+
+
 # -- streaming export --------------------------------------------------------------------------------------------
 
 def _tensors(out_dir):

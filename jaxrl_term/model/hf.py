@@ -348,6 +348,20 @@ def _fetch(x: jax.Array, c: ExportChunk, dtype: str, to_host: bool) -> np.ndarra
     return bits.view(NP_DTYPES[dtype]) if to_host else None
 
 
+def special_token_ids(tokenizer_dir: str | os.PathLike | None) -> dict[str, int]:
+    """bos / eos ids for config.json from the tokenizer saved with the weights (Qwen's convention: bos =
+    ``<|endoftext|>``, eos = ``<|im_end|>``); {} when there is no tokenizer or it lacks them."""
+    if tokenizer_dir is None or not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return {}
+    try:
+        added = json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text()).get("added_tokens") or []
+    except (OSError, ValueError):
+        return {}
+    ids = {t.get("content"): t.get("id") for t in added if isinstance(t, dict)}
+    out = {"bos_token_id": ids.get("<|endoftext|>"), "eos_token_id": ids.get("<|im_end|>")}
+    return {k: int(v) for k, v in out.items() if isinstance(v, int)}
+
+
 def save_pretrained(
     model: Qwen3,
     out_dir: str | os.PathLike,
@@ -437,7 +451,7 @@ def save_pretrained(
         total = sum(int(np.prod(m.hf_shape)) * itemsize * (cfg.num_hidden_layers if m.stacked else 1) for m in maps)
         index = {"metadata": {"total_size": total}, "weight_map": {nm: fname(shard_of[nm]) for nm in shard_of}}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=2))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf(dtype, **special_token_ids(tokenizer_dir)), indent=2))
     if tokenizer_dir is not None:
         for f in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / f

@@ -99,8 +99,15 @@ class Qwen3Config:
             max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
         )
 
-    def to_hf(self, dtype: str = "bfloat16") -> dict[str, Any]:
-        """An HF ``config.json`` dict that transformers (v4 and v5) and SGLang read."""
+    def to_hf(self, dtype: str = "bfloat16", *, bos_token_id: int | None = None,
+              eos_token_id: int | None = None) -> dict[str, Any]:
+        """An HF ``config.json`` dict that transformers (v4 and v5) and SGLang read. Special-token ids: the ones
+        given (from the tokenizer saved alongside), else Qwen's (151643 / 151645) when the vocabulary holds them;
+        an id outside the vocabulary is never written (it would be a dangling id for a small vocabulary)."""
+        if bos_token_id is None and eos_token_id is None and self.vocab_size > 151645:
+            bos_token_id, eos_token_id = 151643, 151645
+        ids = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
+               if v is not None and 0 <= v < self.vocab_size}
         return {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -126,8 +133,7 @@ class Qwen3Config:
             "use_cache": True,
             "torch_dtype": dtype,
             "dtype": dtype,
-            "bos_token_id": 151643,
-            "eos_token_id": 151645,
+            **ids,
         }
 
     def num_params(self) -> int:
