@@ -584,6 +584,20 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
         bad("eval.top_p", f"{ev.top_p} must be in (0, 1]")
     if ev.temperature is not None and ev.temperature < 0:
         bad("eval.temperature", f"{ev.temperature} must be >= 0")
+    if cfg.logging.wandb.enabled:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            bad("logging.wandb.enabled", "true, but the wandb package is not installed",
+                "pip install -e '.[wandb]' (and `wandb login`, or WANDB_API_KEY), or logging.wandb.enabled=false")
+    cur = cfg.data.curriculum
+    if cur.enabled:
+        from jaxrl_term.tasks.curriculum import CurriculumSettings
+
+        try:
+            CurriculumSettings(tuple(cur.band), cur.window, cur.out_of_band_weight)
+        except (ValueError, TypeError) as e:
+            bad("data.curriculum", str(e))
     if not need_paths:
         return out
     # -- paths ----------------------------------------------------------------------------------------

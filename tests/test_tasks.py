@@ -167,6 +167,12 @@ def test_cli_ls_and_convert(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jaxrl_term.tasks", "ls", str(tmp_path / "nope")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "jaxrl_term.tasks", "convert", str(FIXTURES), str(tmp_path / "o.json")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "give DST.parquet" in bad.stderr and not (tmp_path / "o.json").exists()
+    subprocess.run([sys.executable, "-m", "jaxrl_term.tasks", "convert", str(FIXTURES), str(tmp_path / "hb")],
+                   check=True, capture_output=True)
+    assert {t.id for t in load_tasks(tmp_path / "hb")} == {t.id for t in load_tasks(FIXTURES)}
 
 
 # ------------------------------------------------------------------------------------- built-in families

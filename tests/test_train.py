@@ -82,7 +82,13 @@ def test_bad_config_fails_before_any_work_naming_the_key(tmp_path):
         (["+experiment=qwen32b_h100"], "model.path"),
         (["+experiment=tmax_qwen3_8b", "model.path=/m"], "data.source"),
         (["+experiment=tiny_learn", "trainer.buckets=[1024,2048]"], "largest length bucket (2048) is shorter"),
+        (["+experiment=tiny_cpu", "data.curriculum.enabled=true", "data.curriculum.band=[0.9,0.1]"],
+         "data.curriculum.band"),
     ]
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:  # the extra is not part of the test environment
+        cases.append((["+experiment=tiny_cpu", "logging.wandb.enabled=true"], "pip install -e '.[wandb]'"))
     bad = tmp_path / "conf" / "experiment"
     bad.mkdir(parents=True)
     (bad / "broken.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: qwen3_99b\n")

@@ -63,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         Console(width=160).print(table)
         return 0
     if args.cmd == "convert":
+        from pathlib import Path
+
+        dst = Path(args.dst)
+        if not args.dst.endswith(".parquet") and (dst.suffix or (dst.exists() and not dst.is_dir())):
+            print(f"error: convert DST {args.dst!r}: give DST.parquet (our Parquet) or a directory for Harbor task "
+                  f"directories (no file suffix); {dst.suffix or 'a file'} is neither", file=sys.stderr)
+            return 2
         if args.dst.endswith(".parquet"):
             print(f"wrote {len(tasks)} tasks to {save_parquet(tasks, args.dst)}")
         else:

@@ -1,0 +1,104 @@
+"""Console scripts (``pip install`` puts them on PATH) and ``python -m jaxrl_term``: the entry points in one list.
+
+Each script runs exactly what ``python -m <module>`` runs (the same early config checks and error handling)."""
+
+from __future__ import annotations
+
+import sys
+
+# (console script, python -m module, what it does)
+ENTRY_POINTS = (
+    ("jaxrl-term-train", "jaxrl_term.train", "RL training (Hydra): +experiment=NAME, key=value overrides, -m sweeps"),
+    ("jaxrl-term-sft", "jaxrl_term.sft", "supervised fine-tuning on demonstrations; writes run_dir/hf_final"),
+    ("jaxrl-term-eval", "jaxrl_term.eval", "pass@k of a policy (checkpoint, SGLang, OpenAI, oracle, nop) on tasks"),
+    ("jaxrl-term-report", "jaxrl_term.report", "HTML / markdown report of a run; compare and summary tables"),
+    ("jaxrl-term-tasks", "jaxrl_term.tasks", "ls / convert / check task sets (TB1, Harbor, TB-RL CSV, Parquet)"),
+    ("jaxrl-term-datagen", "jaxrl_term.datagen", "taxonomy-driven task generation: sample / run / report"),
+    ("jaxrl-term-plan", "jaxrl_term.plan", "memory and throughput plan of a preset on its hardware (no GPU needed)"),
+    ("jaxrl-term-serve", "jaxrl_term.serve", "an SGLang-compatible HTTP server on the embedded JAX engine"),
+    ("jaxrl-term-images", "jaxrl_term.sandbox.images", "Docker engine and base images: setup"),
+    ("jaxrl-term-sandbox", "jaxrl_term.sandbox.docker", "reap containers left by killed runs"),
+    ("jaxrl-term-judge-eval", "jaxrl_term.reward.judge_eval", "rank LLM judges on labelled trajectories"),
+)
+
+
+def _guarded(main, *args) -> int:
+    from jaxrl_term.utils.cli import guard
+
+    return guard(main)(*args)
+
+
+def train() -> None:
+    from jaxrl_term import train as t
+
+    sys.argv[1:] = t.early_preflight(sys.argv[1:])
+    t.main()
+
+
+def sft() -> int:
+    from jaxrl_term.sft import main
+
+    return _guarded(main)
+
+
+def eval() -> None:  # noqa: A001 - the command's name
+    from jaxrl_term.eval import __main__ as e
+
+    e.early_check(sys.argv[1:])
+    e.main()
+
+
+def report() -> int:
+    from jaxrl_term.report.__main__ import main
+
+    return main()
+
+
+def tasks() -> int:
+    from jaxrl_term.tasks.__main__ import main
+
+    return _guarded(main)
+
+
+def datagen() -> int:
+    from jaxrl_term.datagen.__main__ import main
+
+    return _guarded(main)
+
+
+def plan() -> int:
+    from jaxrl_term.plan import main
+
+    return _guarded(main)
+
+
+def serve() -> int:
+    from jaxrl_term.serve import main
+
+    return _guarded(main)
+
+
+def images() -> int:
+    from jaxrl_term.sandbox.images import main
+
+    return _guarded(main)
+
+
+def sandbox() -> int:
+    from jaxrl_term.sandbox.docker import main
+
+    return _guarded(main)
+
+
+def judge_eval() -> int:
+    from jaxrl_term.reward.judge_eval import main
+
+    return _guarded(main)
+
+
+def listing() -> str:
+    width = max(len(m) for _, m, _ in ENTRY_POINTS)
+    lines = ["jaxrl_term entry points (python -m MODULE, or the console script):", ""]
+    lines += [f"  python -m {m:<{width}}  {s:<22}  {what}" for s, m, what in ENTRY_POINTS]
+    lines += ["", "Each takes --help (Hydra entry points: --help shows the config groups)."]
+    return "\n".join(lines)
