@@ -31,7 +31,7 @@ def _guarded(main, *args) -> int:
 def train() -> None:
     from jaxrl_term import train as t
 
-    sys.argv[1:] = t.early_preflight(sys.argv[1:])
+    sys.argv[1:] = t.route_run_dir(t.early_preflight(sys.argv[1:]))
     t.main()
 
 

@@ -385,6 +385,7 @@ class Config:
     eval: EvalCfg = field(default_factory=EvalCfg)
     seed: int = 0
     cache_dir: str = "~/.cache/jaxrl_term"
+    run_name: Optional[str] = None  # runs/<run_name> instead of runs/<time> (see train.route_run_dir)
     run_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
 
 

@@ -179,7 +179,8 @@ class Trainer:
             self.ts = make_train_step(self.arch, self.algo, optim, self.mesh, options=self.opts, rules=self.rules)
         self.ckpt = Checkpointer(self.run_dir / "checkpoints", max_to_keep=cfg.trainer.keep_checkpoints)
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard, enabled=self.lead,
-                                     console=cfg.logging.console, wandb=OmegaConf.to_container(cfg.logging.wandb),
+                                     console=cfg.logging.console, wandb={**OmegaConf.to_container(cfg.logging.wandb),
+                                            "name": cfg.run_name},
                                      config=OmegaConf.to_container(cfg, resolve=True))
         self._init_params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         del model
@@ -682,6 +683,32 @@ def early_preflight(argv: list[str]) -> list[str]:
     return argv
 
 
+def route_run_dir(argv: list[str]) -> list[str]:
+    """Point Hydra's own output dir (``.hydra/``, ``train.log``) at the run's dir: ``run_dir=DIR`` ->
+    ``hydra.run.dir=DIR`` (a resumed run left a stray ``runs/<time>/`` otherwise); ``run_name=NAME`` ->
+    ``runs/NAME`` (``runs/multirun/NAME`` for a sweep's dir). Explicit ``hydra.run.dir`` / ``hydra.sweep.dir``
+    win."""
+    kv = {a.split("=", 1)[0].lstrip("+"): a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    name = kv.get("run_name")
+    if name in ("null", "None", ""):
+        name = None
+    if name is not None and ("/" in name or name in (".", "..")):
+        print(f"config error: run_name: {name!r} must be a plain name (no '/'); use run_dir=PATH for a path",
+              file=sys.stderr)
+        sys.exit(2)
+    out = list(argv)
+    if multirun:
+        if name and "hydra.sweep.dir" not in kv:
+            out.append(f"hydra.sweep.dir=runs/multirun/{name}")
+    elif "hydra.run.dir" not in kv:
+        if kv.get("run_dir"):
+            out.append(f"hydra.run.dir={kv['run_dir']}")
+        elif name:
+            out.append(f"hydra.run.dir=runs/{name}")
+    return out
+
+
 if __name__ == "__main__":
-    sys.argv[1:] = early_preflight(sys.argv[1:])
+    sys.argv[1:] = route_run_dir(early_preflight(sys.argv[1:]))
     main()

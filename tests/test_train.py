@@ -244,3 +244,23 @@ def test_hydra_sweep_runs_each_job_in_its_own_dir(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [OmegaConf.load(tmp_path / str(k) / "config.yaml").algo.loss for k in (0, 1)]
     assert losses == ["ppo_clip", "dppo"]
+
+
+def test_runs_are_named_and_leave_nothing_elsewhere(tmp_path):
+    """run_name=NAME -> runs/NAME (Hydra's .hydra/ and train.log inside it); run_dir=DIR -> everything in DIR and
+    no stray runs/<time>/; a sweep with run_name -> runs/multirun/NAME/<n>."""
+    proc = _train([*QUICK, "trainer.steps=0", "run_name=exp1"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "exp1"
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["exp1"]
+    assert (run / "config.yaml").is_file() and (run / ".hydra" / "config.yaml").is_file() and (run / "train.log").is_file()
+    assert OmegaConf.load(run / "config.yaml").run_dir == str(run)
+    proc = _train([*QUICK, "trainer.steps=0", f"run_dir={tmp_path / 'elsewhere'}"], cwd=tmp_path / "runs", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["exp1"]  # no runs/runs/<time>
+    assert (tmp_path / "elsewhere" / ".hydra").is_dir() and (tmp_path / "elsewhere" / "train.log").is_file()
+    proc = _train(["-m", *QUICK, "trainer.steps=0", "run_name=sw", "seed=1,2"], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all((tmp_path / "runs" / "multirun" / "sw" / k / "config.yaml").is_file() for k in ("0", "1"))
+    bad = _train([*QUICK, "run_name=a/b"], cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and "run_name" in bad.stderr

@@ -45,6 +45,7 @@ class MetricsLogger:
             import wandb as wb  # optional dependency: pip install wandb
 
             self._wandb = wb.init(project=wandb.get("project", "jaxrl_term"), entity=wandb.get("entity"),
+                                  name=wandb.get("name") or self.run_dir.name,
                                   mode=wandb.get("mode", "online"), config=dict(config or {}),
                                   dir=str(self.run_dir))
 
