@@ -30,9 +30,19 @@ async def collect_demonstrations(tasks: Sequence, *, scaffold: str, tokenizer, l
                                  backend: str = "docker", builder=None, sandbox_limits: dict | None = None,
                                  concurrency: int = 4, enable_thinking: bool | None = None) -> list[Trajectory]:
     """Oracle episodes through the real loop and sandboxes; the ones the verifier scores 1."""
+    from jaxrl_term.utils.metrics import ProgressLog
+
     sem = asyncio.Semaphore(concurrency)
+    progress = ProgressLog("demonstrations (oracle episodes)", len(tasks))
+    kept = [0]
 
     async def one(task):
+        traj = await _one(task)
+        kept[0] += traj is not None
+        progress.update(kept=kept[0])
+        return traj
+
+    async def _one(task):
         if task.solution is None:
             return None
         async with sem:
@@ -62,14 +72,18 @@ def finetune(ts, state, trajectories: Sequence[Trajectory], *, steps: int, batch
 
     if not trajectories:
         raise ValueError("warm start: no demonstration trajectories (did every oracle fail?)")
+    from jaxrl_term.utils.metrics import ProgressLog
+
     samples = [Sample(t.token_ids, t.loss_mask, [0.0] * len(t.token_ids), 1.0) for t in trajectories]
     rng = random.Random(seed)
     losses = []
+    progress = ProgressLog(f"SFT steps ({len(samples)} demonstrations, batch {batch_size})", steps)
     for _ in range(steps):
         picked = [samples[rng.randrange(len(samples))] for _ in range(batch_size)]
         batch = make_batch(picked, buckets=buckets, row_multiple=ts.shards)
         state, metrics = ts(state, batch)
         losses.append(metrics["loss"])
+        progress.update(loss=lambda m=metrics: float(m["loss"]))
     return state, losses
 
 

@@ -234,9 +234,14 @@ class Trainer:
         """The engine on process 0; server URLs from every node's launcher."""
         from jaxrl_term.rollout.setup import make_jax_engine, make_sglang_engine
 
+        t0 = time.monotonic()
         if self.cfg.rollout.engine == "jax":
+            log.info("rollout engine: the embedded JAX engine (its programs compile on the first requests)")
             self.engine = make_jax_engine(self.cfg, self.ts.model(self.state.params), self.tok, self.start_step)
             return
+        if self.lead:
+            log.info("rollout engine: waiting for SGLang servers to answer /health_generate (up to %.0fs)",
+                     self.cfg.rollout.sglang.launch.ready_timeout_s)
         local = self.launcher.urls if self.launcher is not None else []
         urls = [u for node in self.channel.gather_json("servers", local) for u in node]
         if self.lead:
@@ -245,6 +250,8 @@ class Trainer:
             version = 0 if self.launcher is not None and not self.cfg.rollout.sglang.urls else None
             self.engine = make_sglang_engine(self.cfg, list(self.cfg.rollout.sglang.urls) + urls, version)
             await self.engine.wait_ready(self.cfg.rollout.sglang.launch.ready_timeout_s)
+            log.info("rollout engine: %d server(s) ready after %.0fs", len(self.engine.urls)
+                     if hasattr(self.engine, "urls") else 0, time.monotonic() - t0)
         self.channel.barrier("engine_ready")
 
     def make_pipeline(self, tasks):
@@ -486,7 +493,7 @@ class Trainer:
                                                 channel=ch, backend=self.backend, builder=self.builder,
                                                 microbatches=self.algo.microbatches)
                 if not resumed:
-                    self.metrics.log(-1, warm)
+                    self.metrics.log_warm_start(warm)
             if self.algo.kl_coef:
                 self.ref_params = self.reference_params(params)
             if not resumed:

@@ -124,6 +124,7 @@ class RolloutPipeline:
         start_seq: int = 0,
         policy_version: int = 0,
         sampler=None,
+        progress_every_s: float = 30.0,
     ):
         if group_size < 2:
             raise ValueError("algo.group_size must be >= 2 for group-relative advantages")
@@ -156,6 +157,7 @@ class RolloutPipeline:
         self._active = 0
         self._busy_s = 0.0
         self._busy_mark = time.monotonic()
+        self.progress_every_s = progress_every_s  # a log line while the trainer waits longer than this
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -318,6 +320,28 @@ class RolloutPipeline:
             self._changed.notify_all()
         out: list[Group] = []
         filtered = 0
+        reporter = asyncio.create_task(self._report_wait(step)) if self.progress_every_s > 0 else None
+        try:
+            await self._collect(step, out, filtered)
+        finally:
+            if reporter is not None:
+                reporter.cancel()
+        self.collecting = False
+        async with self._changed:
+            self._changed.notify_all()
+        return out
+
+    async def _report_wait(self, step: int) -> None:
+        """While the trainer waits for step ``step``'s groups: a line every ``progress_every_s`` seconds."""
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(self.progress_every_s)
+            log.info("step %d: waiting for rollouts for %.0fs: %d/%d groups taken, %d finished ahead, %d running "
+                     "(%d episodes in sandboxes now, %d finished since the last step)", step, time.monotonic() - t0,
+                     self.taken, self.n, len(self._results), len(self._tasks), self._active,
+                     self.counters["episodes"])
+
+    async def _collect(self, step: int, out: list, filtered: int) -> None:
         while len(out) < self.n:
             async with self._changed:  # decide under the lock: the producer's budget depends on `taken`
                 await self._changed.wait_for(lambda: self.consumed in self._results)
@@ -339,10 +363,6 @@ class RolloutPipeline:
                     out.append(g)
                     self.taken += 1
                 self._changed.notify_all()
-        self.collecting = False
-        async with self._changed:
-            self._changed.notify_all()
-        return out
 
     def take_counters(self) -> dict[str, int]:
         out = {f"pipeline/{k}": v for k, v in self.counters.items()}

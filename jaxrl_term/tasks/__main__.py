@@ -82,7 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         tasks = [t for t in tasks if t.id in wanted]
     if args.limit:
         tasks = tasks[: args.limit]
-    results = asyncio.run(check_tasks(tasks, args.agent, jobs=args.jobs, backend=args.backend, scoring=args.scoring))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"check --agent {args.agent}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        job = bar.add_task("", total=len(tasks))
+        broken = [0]
+
+        def tick(r) -> None:
+            broken[0] += r.broken
+            bar.update(job, advance=1, description=f"{broken[0]} broken; last: {r.task_id}")
+
+        results = asyncio.run(check_tasks(tasks, args.agent, jobs=args.jobs, backend=args.backend,
+                                          scoring=args.scoring, progress=tick))
     print_table(results)
     s = summary(results)
     print(f"{s['ok']}/{s['tasks']} ok, {len(s['broken'])} broken")

@@ -75,7 +75,8 @@ async def check_task(task: Task, agent: str, *, backend: str = "docker", builder
 
 
 async def check_tasks(tasks: Sequence[Task], agent: str, *, jobs: int = 2, backend: str = "docker", builder=None,
-                      scoring: str = "weighted", limits: dict | None = None) -> list[CheckResult]:
+                      scoring: str = "weighted", limits: dict | None = None, progress=None) -> list[CheckResult]:
+    """Every task checked (``jobs`` at once); ``progress(result)`` is called as each one finishes."""
     if builder is None and backend == "docker":
         from jaxrl_term.sandbox.images import ImageBuilder
 
@@ -84,7 +85,10 @@ async def check_tasks(tasks: Sequence[Task], agent: str, *, jobs: int = 2, backe
 
     async def one(t):
         async with sem:
-            return await check_task(t, agent, backend=backend, builder=builder, scoring=scoring, limits=limits)
+            r = await check_task(t, agent, backend=backend, builder=builder, scoring=scoring, limits=limits)
+        if progress is not None:
+            progress(r)
+        return r
 
     return list(await asyncio.gather(*(one(t) for t in tasks)))
 
