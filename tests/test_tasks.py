@@ -161,6 +161,7 @@ def test_cli_ls_and_convert(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jaxrl_term.tasks", "ls", str(FIXTURES)], capture_output=True,
                          text=True, check=True).stdout
     assert "tb1-word-count" in out and "harbor-json-keys" in out and "2 tasks" in out
+    assert "│ test.sh" in out  # a Harbor verifier script, not "0 tests"
     subprocess.run([sys.executable, "-m", "jaxrl_term.tasks", "convert", str(FIXTURES), str(tmp_path / "x.parquet")],
                    check=True, capture_output=True)
     assert load_tasks(tmp_path / "x.parquet") == load_tasks(FIXTURES)

@@ -115,8 +115,9 @@ def print_table(results: Sequence[CheckResult]) -> None:
         table.add_column(col)
     for r in results:
         npass = sum(r.passed.values())
+        # no per-test results (a Harbor test.sh reports only its reward): "-", not "0/0"
         table.add_row(r.task_id, "-" if r.score is None else f"{r.score:.3f}", r.outcome,
-                      f"{npass}/{len(r.passed)}", f"{r.duration_s:.1f}",
+                      f"{npass}/{len(r.passed)}" if r.passed else "-", f"{r.duration_s:.1f}",
                       "[red]BROKEN[/red] " + r.reason if r.broken else "[green]ok[/green]")
     Console().print(table)
 
