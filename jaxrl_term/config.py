@@ -430,7 +430,7 @@ class DatagenCfg:
     taxonomy: Optional[str] = None  # a taxonomy YAML; None = ../shared/datasets/tmax-taxonomy/taxonomy.yaml
     n: int = 100  # specs to draw (spec i of a seed is always the same spec)
     seed: int = 0
-    mix: Optional[str] = "tmax_15k"  # corpus-kind mix (a section of the taxonomy with parts); or set corpus
+    mix: Optional[str] = None  # corpus-kind mix (a section of the taxonomy with parts); null = tmax_15k unless corpus
     corpus: Optional[str] = None  # legacy | sft_v2 | rl_v2 (then mix must be null)
     specs: Optional[str] = None  # a specs.jsonl (``datagen sample --out``) instead of drawing
     out_dir: str = "datagen/${datagen.name}"

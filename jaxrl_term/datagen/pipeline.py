@@ -117,10 +117,11 @@ class Decontaminator:
             for i in range(max(1, len(w) - n + 1)):
                 self.grams.setdefault(tuple(w[i:i + n]), t.id)
         self.sources = len(tasks)
+        self.short = [g for g in self.grams if len(g) < n]  # whole evaluation instructions shorter than n words
 
     def match(self, text: str) -> tuple[str, str] | None:
         w = words(text)
-        short = {g for g in self.grams if len(g) < self.n}
+        short = self.short
         for i in range(max(1, len(w) - self.n + 1)):
             g = tuple(w[i:i + self.n])
             if g in self.grams:
