@@ -22,10 +22,18 @@ ENTRY_POINTS = (
 )
 
 
-def _guarded(main, *args) -> int:
-    from jaxrl_term.utils.cli import guard
+def _guarded(module: str):
+    """The entry point ``module.main`` with ``utils.cli.guard`` (bad input: one line, exit code 2)."""
 
-    return guard(main)(*args)
+    def run() -> int:
+        from importlib import import_module
+
+        from jaxrl_term.utils.cli import guard
+
+        return guard(import_module(module).main)()
+
+    run.__name__ = module.rsplit(".", 1)[-1]
+    return run
 
 
 def train() -> None:
@@ -35,12 +43,6 @@ def train() -> None:
     t.main()
 
 
-def sft() -> int:
-    from jaxrl_term.sft import main
-
-    return _guarded(main)
-
-
 def eval() -> None:  # noqa: A001 - the command's name
     from jaxrl_term.eval import __main__ as e
 
@@ -48,52 +50,15 @@ def eval() -> None:  # noqa: A001 - the command's name
     e.main()
 
 
-def report() -> int:
-    from jaxrl_term.report.__main__ import main
-
-    return main()
-
-
-def tasks() -> int:
-    from jaxrl_term.tasks.__main__ import main
-
-    return _guarded(main)
-
-
-def datagen() -> int:
-    from jaxrl_term.datagen.__main__ import main
-
-    return _guarded(main)
-
-
-def plan() -> int:
-    from jaxrl_term.plan import main
-
-    return _guarded(main)
-
-
-def serve() -> int:
-    from jaxrl_term.serve import main
-
-    return _guarded(main)
-
-
-def images() -> int:
-    from jaxrl_term.sandbox.images import main
-
-    return _guarded(main)
-
-
-def sandbox() -> int:
-    from jaxrl_term.sandbox.docker import main
-
-    return _guarded(main)
-
-
-def judge_eval() -> int:
-    from jaxrl_term.reward.judge_eval import main
-
-    return _guarded(main)
+sft = _guarded("jaxrl_term.sft")
+report = _guarded("jaxrl_term.report.__main__")
+tasks = _guarded("jaxrl_term.tasks.__main__")
+datagen = _guarded("jaxrl_term.datagen.__main__")
+plan = _guarded("jaxrl_term.plan")
+serve = _guarded("jaxrl_term.serve")
+images = _guarded("jaxrl_term.sandbox.images")
+sandbox = _guarded("jaxrl_term.sandbox.docker")
+judge_eval = _guarded("jaxrl_term.reward.judge_eval")
 
 
 def listing() -> str:

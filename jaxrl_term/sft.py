@@ -247,10 +247,9 @@ async def run_sft(cfg) -> dict:
     model = build_model(cfg, mesh, rules)
     t0 = time.monotonic()
     if s.source == "oracle":
-        from jaxrl_term.tasks.dataset import load_dataset
+        from jaxrl_term.tasks.dataset import load_from_config
 
-        data = OmegaConf.to_container(cfg.data)
-        tasks = load_dataset(data.pop("source"), **data)
+        tasks = load_from_config(cfg.data)
         backend, builder = sandbox_backend(cfg.sandbox)
         agent, sb = OmegaConf.to_object(cfg.agent), OmegaConf.to_object(cfg.sandbox)
         demos = await collect_demonstrations(tasks, scaffold=agent.scaffold, tokenizer=tok, limits=agent.limits(),

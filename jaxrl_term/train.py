@@ -297,13 +297,12 @@ class Trainer:
     # -- held-out evaluation -------------------------------------------------------------------------
     def load_heldout(self, train_tasks) -> list:
         """``eval.data``'s tasks, when an evaluation is asked for; none of them may be a training task."""
-        from jaxrl_term.tasks.dataset import load_dataset
+        from jaxrl_term.tasks.dataset import load_from_config
 
         tcfg = self.cfg.trainer
         if not (tcfg.eval_every or tcfg.eval_before_train):
             return []
-        data = OmegaConf.to_container(self.cfg.eval.data)
-        tasks = load_dataset(data.pop("source"), **data)
+        tasks = load_from_config(self.cfg.eval.data)
         overlap = {t.id for t in tasks} & {t.id for t in train_tasks}
         if overlap:
             raise ValueError(f"eval.data: {len(overlap)} held-out task(s) are also training tasks (e.g. "
@@ -471,13 +470,12 @@ class Trainer:
     async def run(self) -> dict:
         from jaxrl_term.rl.batch import Batch
         from jaxrl_term.sft import warm_start
-        from jaxrl_term.tasks.dataset import load_dataset
+        from jaxrl_term.tasks.dataset import load_from_config
 
         cfg, tcfg, ch = self.cfg, self.cfg.trainer, self.channel
         tasks = None
         if self.lead:
-            data = OmegaConf.to_container(cfg.data)
-            tasks = load_dataset(data.pop("source"), **data)
+            tasks = load_from_config(cfg.data)
             self.heldout = self.load_heldout(tasks)
             self.set_aside_later_evals()
             self.make_builder()

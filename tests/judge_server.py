@@ -116,17 +116,12 @@ def heuristic_score(prompt: str) -> float:
     return round(min(max(score, 0.0), 1.0), 3)
 
 
-class JudgeServer:
-    def __init__(self):
-        self.calls: Counter = Counter()
-        self.times: defaultdict = defaultdict(list)
-        self.modes: dict[str, str] = {"flaky": "rate_limited"}
-        self.scripts: dict[str, list[str]] = {}
-        self.last: dict = {}
-        self.app = Starlette(routes=[
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/admin/mode", self.set_mode, methods=["POST"]),
-        ])
+class LocalServer:
+    """A real HTTP server (uvicorn, a thread) on a free localhost port; ``url`` is its OpenAI-style base URL.
+    Subclasses give their Starlette routes."""
+
+    def __init__(self, routes):
+        self.app = Starlette(routes=routes)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -143,6 +138,17 @@ class JudgeServer:
     def stop(self):
         self._server.should_exit = True
         self._thread.join(5)
+
+
+class JudgeServer(LocalServer):
+    def __init__(self):
+        self.calls: Counter = Counter()
+        self.times: defaultdict = defaultdict(list)
+        self.modes: dict[str, str] = {"flaky": "rate_limited"}
+        self.scripts: dict[str, list[str]] = {}
+        self.last: dict = {}
+        super().__init__([Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                          Route("/admin/mode", self.set_mode, methods=["POST"])])
 
     @staticmethod
     def answer(model: str, content: str, prompt: str, finish: str = "stop") -> JSONResponse:

@@ -9,15 +9,10 @@ repair messages the pipeline sent.
 """
 
 import re
-import socket
-import threading
-import time
 from collections import Counter, defaultdict
 
-import uvicorn
-from starlette.applications import Starlette
+from judge_server import JudgeServer, LocalServer
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 BASE = "jaxrl-term/base:trixie"
@@ -40,28 +35,12 @@ def file_task(name: str, line: str, *, instruction: str | None = None, **kw) -> 
     return task_text(instruction or f"Create /app/{name} holding exactly one line: {line}", tests=tests, **kw)
 
 
-class TeacherServer:
+class TeacherServer(LocalServer):
     def __init__(self, scenarios: dict[str, list]):
         self.scenarios = scenarios
         self.calls: Counter = Counter()
         self.repair_prompts: defaultdict = defaultdict(list)
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self.chat, methods=["POST"])])
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-
-    def start(self):
-        self._thread.start()
-        while not self._server.started:
-            time.sleep(0.02)
-        return self
-
-    def stop(self):
-        self._server.should_exit = True
-        self._thread.join(5)
+        super().__init__([Route("/v1/chat/completions", self.chat, methods=["POST"])])
 
     async def chat(self, request: Request):
         body = await request.json()
@@ -74,12 +53,8 @@ class TeacherServer:
             self.repair_prompts[scenario].append(msgs[-1]["content"])
         answers = self.scenarios.get(scenario)
         if answers is None:
-            return JSONResponse({"error": {"message": f"no scenario {scenario}"}}, status_code=404)
+            return JudgeServer.error(404, f"no scenario {scenario}")
         ans = answers[min(rnd, len(answers) - 1)]
         if isinstance(ans, int):
-            return JSONResponse({"error": {"message": "scripted failure"}}, status_code=ans)
-        prompt = sum(len(x["content"]) for x in msgs)
-        return JSONResponse({"id": "chatcmpl-teacher", "object": "chat.completion", "created": int(time.time()),
-                             "model": body.get("model"), "choices": [{"index": 0, "finish_reason": "stop",
-                                                                      "message": {"role": "assistant", "content": ans}}],
-                             "usage": {"prompt_tokens": prompt // 4, "completion_tokens": len(ans) // 4}})
+            return JudgeServer.error(ans, "scripted failure")
+        return JudgeServer.answer(body.get("model"), ans, "".join(x["content"] for x in msgs))

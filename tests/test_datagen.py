@@ -2,7 +2,6 @@
 parser against hostile answers, and the whole pipeline end to end against a scripted OpenAI-compatible teacher
 with validation in real Docker sandboxes."""
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -303,3 +302,32 @@ def test_pass_rate_band_rejects_tasks_the_policy_never_solves(tmp_path, docker_c
     assert [(r["status"], r["reason"], r["pass_rate"]) for r in recs] == [("rejected", "out_of_band", 0.0)] * 2
     assert summary["kept"] == 0 and not (out / "harbor").exists()
     assert "| 0.0–0.1 | 2 |" in (out / "report.md").read_text()
+
+
+def test_teacher_answers_are_cached_per_endpoint_and_prompt():
+    """The same prompt is asked once (a second chat makes no HTTP request and counts no request); another prompt
+    is asked; the per-call request counter sees only its own requests."""
+    import asyncio
+
+    from jaxrl_term.datagen.teacher import TeacherClient, render_messages
+    from jaxrl_term.reward.judge import JudgeEndpoint
+
+    server = TeacherServer({"a": [file_task("a.txt", "a")], "b": [file_task("b.txt", "b")]}).start()
+    try:
+        async def main():
+            t = TeacherClient([JudgeEndpoint("s", server.url, "teacher")])
+            try:
+                ma, mb = (render_messages(_spec(n, 0), BASE) for n in ("a", "b"))
+                counts = [[0], [0], [0]]
+                first = await t.chat(ma, requests=counts[0])
+                again = await t.chat(ma, requests=counts[1])
+                other = await t.chat(mb, requests=counts[2])
+                return first, again, other, counts, t.calls
+            finally:
+                await t.aclose()
+
+        first, again, other, counts, calls = asyncio.run(main())
+    finally:
+        server.stop()
+    assert first == again and first[0].count("a.txt") and "b.txt" in other[0]
+    assert counts == [[1], [0], [1]] and calls == 2 and dict(server.calls) == {"a": 1, "b": 1}

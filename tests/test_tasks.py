@@ -205,3 +205,23 @@ def test_train_and_heldout_splits_never_share_an_instance():
 
 def test_param_key_depends_on_family_and_params():
     assert param_key("a", {"x": 1}) != param_key("b", {"x": 1}) != param_key("a", {"x": 2})
+
+
+def test_entry_points_are_listed_and_installed_as_console_scripts():
+    """``python -m jaxrl_term`` lists every entry point; pyproject declares a console script for each, pointing
+    at a callable of jaxrl_term.cli; the installed script runs the module's CLI (bad input: exit 2)."""
+    import shutil
+    import tomllib
+
+    import jaxrl_term.cli as cli
+
+    out = subprocess.run([sys.executable, "-m", "jaxrl_term"], capture_output=True, text=True, check=True).stdout
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    for script, module, _ in cli.ENTRY_POINTS:
+        assert f"python -m {module}" in out and script in out
+        target = scripts[script]
+        assert target.startswith("jaxrl_term.cli:") and callable(getattr(cli, target.split(":")[1]))
+    exe = shutil.which("jaxrl-term-tasks", path=str(Path(sys.executable).parent))
+    assert exe, "the console scripts are not installed (pip install -e .)"
+    bad = subprocess.run([exe, "convert", str(FIXTURES), "/nonexistent/o.json"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "give DST.parquet" in bad.stderr

@@ -236,8 +236,11 @@ class TeacherClient(JudgeClient):
     infrastructure failures, breakers per endpoint), for ``rounds`` rounds; ``JudgeFailure`` when all fail."""
 
     def __init__(self, endpoints: Sequence[JudgeEndpoint], **kw):
+        import collections
+
         super().__init__(endpoints, **kw)
         self.calls = 0  # chat completions requested (repairs included, cache hits not)
+        self.answers: collections.OrderedDict[str, str] = collections.OrderedDict()  # (endpoint, prompt) -> text
 
     async def _answer(self, ep, messages, headers, seed, temperature) -> tuple[str, str]:
         self.calls += 1
@@ -262,9 +265,10 @@ class TeacherClient(JudgeClient):
         for rnd in range(self.rounds):
             for ep in self.endpoints:
                 ck = f"{ep.name}\x1f{ep.model}\x1f{key}"
-                if use_cache and ck in self.cache:
+                if use_cache and ck in self.answers:
+                    self.answers.move_to_end(ck)
                     self.stats["cache_hits"] += 1
-                    return self.cache[ck].reasoning, ep.name
+                    return self.answers[ck], ep.name
                 if not self.breakers[ep.name].available():
                     continue
                 try:
@@ -273,11 +277,9 @@ class TeacherClient(JudgeClient):
                     last = f
                     continue
                 if use_cache and self.cache_size > 0:
-                    from jaxrl_term.reward.judge import JudgeResult
-
-                    self.cache[ck] = JudgeResult(None, ep.name, text)
-                    if len(self.cache) > self.cache_size:
-                        self.cache.popitem(last=False)
+                    self.answers[ck] = text
+                    if len(self.answers) > self.cache_size:
+                        self.answers.popitem(last=False)
                 return text, ep.name
             left = _left(deadline)
             if rnd + 1 < self.rounds and (left is None or left > 0):

@@ -177,13 +177,12 @@ def make_evaluator(cfg, tasks, run_dir, *, policy: str, engine=None, tokenizer=N
 
 async def run_eval(cfg) -> dict:
     """``python -m jaxrl_term.eval``: evaluate ``policy`` on ``data`` into ``run_dir``; the summary."""
-    from jaxrl_term.tasks.dataset import load_dataset
+    from jaxrl_term.tasks.dataset import load_from_config
     from jaxrl_term.train import build_tokenizer, sandbox_backend
 
     p = cfg.policy
-    data = OmegaConf.to_container(cfg.data)
-    source = data.pop("source")
-    tasks = load_dataset(source, **data)
+    source = cfg.data.source
+    tasks = load_from_config(cfg.data)
     engine = tok = None
     fingerprint = {"source": str(source), "split": cfg.data.split if str(source).startswith("builtin") else None,
                    "scaffold": None if p.kind in HARNESS else cfg.agent.scaffold}

@@ -23,12 +23,10 @@ def load_dataset(
     limit: int | None = None,
     skip_bad: bool = True,
     seed: int = 0,
-    curriculum=None,
 ) -> list[Task]:
     """``source``: ``builtin`` (``n_per_cell`` instances per family x difficulty from ``split``), or anything
     ``load_tasks`` reads. Filters apply in order (difficulties, ids, exclusions); ``limit`` keeps a seeded
-    random subset. Bad tasks are skipped with a warning when ``skip_bad``. ``curriculum`` (the data config's
-    sampler settings) is accepted and ignored: it decides the order of training, not the task set."""
+    random subset. Bad tasks are skipped with a warning when ``skip_bad``."""
     if source == "builtin":
         from jaxrl_term.tasks.builtin import DIFFICULTIES, builtin_tasks
 
@@ -54,3 +52,13 @@ def load_dataset(
     if not tasks:
         raise ValueError(f"data: no tasks left from {source!r} after filtering")
     return tasks
+
+
+def load_from_config(data) -> list[Task]:
+    """The tasks of a ``data`` config node (``DataCfg``): its source and filters. ``curriculum`` is not a filter
+    (it decides the order of training, tasks/curriculum.py) and is left to the trainer."""
+    from omegaconf import OmegaConf
+
+    d = OmegaConf.to_container(data) if not isinstance(data, dict) else dict(data)
+    d.pop("curriculum", None)
+    return load_dataset(d.pop("source"), **d)
