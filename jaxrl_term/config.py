@@ -76,7 +76,11 @@ class SandboxCfg:
     cpus: float = 1.0
     memory_mb: int = 2048
     pids: int = 512
-    network: bool = False
+    # Network per phase (Harbor's [environment]/[agent]/[verifier] network_mode): "task" follows each task's own
+    # policy, "none" never, "public" always; "public" means the Docker network public_network.
+    agent_network: str = "task"
+    verifier_network: str = "task"
+    public_network: str = "bridge"
     workdir: str = "/app"
     max_output_bytes: int = 32768
     command_timeout_s: float = 120.0
@@ -87,7 +91,8 @@ class SandboxCfg:
 
     def limits(self) -> dict[str, Any]:
         """Keyword arguments for ``open_sandbox`` / ``SandboxPool``."""
-        return dict(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids, network=self.network,
+        return dict(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids, agent_network=self.agent_network,
+                    verifier_network=self.verifier_network, public_network=self.public_network,
                     workdir=self.workdir, max_output_bytes=self.max_output_bytes)
 
 
@@ -546,6 +551,9 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
             "add a bucket of at least agent.max_context_tokens, or lower agent.max_context_tokens")
     if cfg.sandbox.backend not in ("docker", "local", "auto"):
         bad("sandbox.backend", f"{cfg.sandbox.backend!r}", "use docker, local or auto")
+    for key in ("agent_network", "verifier_network"):
+        if cfg.sandbox.get(key, "task") not in ("task", "none", "public"):
+            bad(f"sandbox.{key}", f"{cfg.sandbox[key]!r}", "use task (each task's own policy), none or public")
     if cfg.reward.scoring not in ("weighted", "binary"):
         bad("reward.scoring", f"{cfg.reward.scoring!r}", "use weighted or binary")
     if cfg.reward.on_judge_missing not in ("renormalize", "wait"):

@@ -479,6 +479,9 @@ class Trainer:
             self.heldout = self.load_heldout(tasks)
             self.set_aside_later_evals()
             self.make_builder()
+            from jaxrl_term.tasks.env import check_tasks_open
+
+            check_tasks_open(tasks, OmegaConf.to_object(cfg.sandbox).limits(), self.backend)
         warm = {}
         resumed = self.state is not None
         # The starting policy: the warm start's result (cached), else the loaded weights. It is the RL start and

@@ -39,8 +39,9 @@ POLICIES = ("oracle", "nop", "checkpoint", "sglang", "openai")
 HARNESS = ("oracle", "nop")
 FAILURE_MODES = ("tests_failed", "agent_timeout", "parse_errors", "context_full", "max_turns", "no_action",
                  "test_timeout", "tampered", "verifier_sabotaged", "engine_error", "sandbox_error", "verifier_error",
-                 "build_error", "no_solution", "judge_error")
-INVALID_MODES = ("engine_error", "sandbox_error", "verifier_error", "build_error", "no_solution", "judge_error")
+                 "verifier_needs_network", "build_error", "no_solution", "judge_error")
+INVALID_MODES = ("engine_error", "sandbox_error", "verifier_error", "verifier_needs_network", "build_error",
+                 "no_solution", "judge_error")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -298,7 +299,7 @@ class Evaluator:
             kind = "build_error" if type(e).__name__ == "ImageBuildError" else "sandbox_error"
             return "invalid", kind, f"{type(e).__name__}: {e}"
         if not result.ok:
-            return "invalid", "verifier_error", result.error or "verifier error"
+            return "invalid", result.outcome, result.error or result.outcome
         reward, parts = result.score, {"tests": result.score}
         if self.reward_fn is not None and traj is not None and self.policy not in HARNESS:
             try:  # the judge's failure breaks the reward, not the evaluation: retried, then dropped

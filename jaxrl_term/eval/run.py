@@ -178,11 +178,14 @@ def make_evaluator(cfg, tasks, run_dir, *, policy: str, engine=None, tokenizer=N
 async def run_eval(cfg) -> dict:
     """``python -m jaxrl_term.eval``: evaluate ``policy`` on ``data`` into ``run_dir``; the summary."""
     from jaxrl_term.tasks.dataset import load_from_config
-    from jaxrl_term.train import build_tokenizer, sandbox_backend
+    from jaxrl_term.train import build_tokenizer, resolve_backend, sandbox_backend
 
     p = cfg.policy
     source = cfg.data.source
     tasks = load_from_config(cfg.data)
+    from jaxrl_term.tasks.env import check_tasks_open
+
+    check_tasks_open(tasks, OmegaConf.to_object(cfg.sandbox).limits(), resolve_backend(cfg.sandbox.backend))
     engine = tok = None
     fingerprint = {"source": str(source), "split": cfg.data.split if str(source).startswith("builtin") else None,
                    "scaffold": None if p.kind in HARNESS else cfg.agent.scaffold}

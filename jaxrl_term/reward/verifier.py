@@ -35,6 +35,7 @@ import base64
 import dataclasses
 import functools
 import json
+import re
 import secrets
 import shlex
 import time
@@ -45,10 +46,10 @@ from collections.abc import Callable, Mapping
 from jaxrl_term.reward import tamper
 from jaxrl_term.sandbox import toolchain
 from jaxrl_term.sandbox.base import Sandbox, SandboxError
-from jaxrl_term.tasks.task import Task
+from jaxrl_term.tasks.task import Task, resolve_env
 
 SCORING = ("weighted", "binary")
-OUTCOMES = ("scored", "test_timeout", "tampered", "verifier_sabotaged", "verifier_error")
+OUTCOMES = ("scored", "test_timeout", "tampered", "verifier_sabotaged", "verifier_error", "verifier_needs_network")
 ZERO_OUTCOMES = ("tampered", "verifier_sabotaged")  # scored 0 whatever else would reward the trajectory
 
 
@@ -67,7 +68,27 @@ class VerifierResult:
 
     @property
     def ok(self) -> bool:
-        return self.outcome != "verifier_error"
+        return self.outcome not in ("verifier_error", "verifier_needs_network")
+
+
+# What a verifier prints when it reaches for the network and cannot (curl, wget, pip, uv, npm, git, Python, Go,
+# apt): name resolution and route failures only; "connection refused" is what a test of a local server the agent
+# did not start prints, and is not evidence. Confirmed on a fresh sandbox of the task before it counts.
+NETWORK_FAILURE = re.compile(
+    r"could not resolve host|couldn't resolve host|temporary failure in name resolution|name or service not known|"
+    r"network is unreachable|nodename nor servname|unable to resolve host|\beai_again\b|\benotfound\b|\benetunreach\b|"
+    r"failed to resolve|could not resolve|dns error|no such host|resolving timed out|"
+    r"name resolution failed|failed to lookup address",
+    re.I)
+_NEEDS_NETWORK: dict[str, str] = {}  # task id -> evidence, once a fresh sandbox confirmed it
+
+
+def network_evidence(output: str) -> str | None:
+    """The first line of ``output`` that reads as a network failure, or None."""
+    for line in output.splitlines():
+        if NETWORK_FAILURE.search(line):
+            return line.strip()[:300]
+    return None
 
 
 def passed_from_cases(cases) -> dict[str, bool]:
@@ -158,13 +179,34 @@ async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", tim
     if scoring not in SCORING:
         raise ValueError(f"reward.scoring={scoring!r}; use one of {SCORING}")
     res = await _verify(task, sandbox, scoring, timeout_s, workdir)
-    if res.outcome != "verifier_error" or fresh is False:
+    online = (getattr(sandbox, "phase_network", None) or {}).get("verifier", False)
+    evidence = network_evidence(res.output) if res.score is None or res.score < 1 else None
+    if evidence and task.id in _NEEDS_NETWORK:
+        return _needs_network(res, evidence, online)
+    if (res.outcome != "verifier_error" and not evidence) or fresh is False:
         return res
     if fresh is None or fresh is True:
         from jaxrl_term.tasks.env import open_task_sandbox
 
         backend = "docker" if getattr(sandbox, "container", None) is not None else "local"
-        fresh = functools.partial(open_task_sandbox, task, backend=backend)
+        # the same settings as the sandbox had (tasks/env.py leaves them on it), else the defaults
+        fresh = getattr(sandbox, "reopen", None) or functools.partial(open_task_sandbox, task, backend=backend)
+    if evidence:
+        # The verifier failed and printed a network failure. On a fresh sandbox of the task (no agent): if it
+        # fails the same way, the verifier needs network it does not have (never a 0 for the agent); if not, the
+        # agent made that output, and its result stands.
+        try:
+            async with fresh() as sb:
+                again = await _verify(task, sb, scoring, timeout_s, workdir)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the check could not run: the result stands as a verifier error would
+            again = None
+        if again is not None and network_evidence(again.output) and (again.score is None or again.score < 1):
+            _NEEDS_NETWORK[task.id] = evidence
+            return _needs_network(res, evidence, online)
+        if res.outcome != "verifier_error":
+            return res
     try:
         async with fresh() as sb:
             again = await _verify(task, sb, scoring, timeout_s, workdir)
@@ -180,6 +222,16 @@ async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", tim
                                          f"fresh sandbox of the task ({again.outcome})")
     return dataclasses.replace(res, error=f"{res.error} (on a fresh sandbox of the task too: a task or "
                                           "infrastructure error)")
+
+
+def _needs_network(res: VerifierResult, evidence: str, online: bool) -> VerifierResult:
+    how = ("the network it had does not reach what it fetches from this machine (check sandbox.public_network "
+           "and the machine's egress)") if online else (
+        "it ran without network; grant it with [verifier] network_mode = \"public\" in task.toml or "
+        "sandbox.verifier_network=public")
+    return dataclasses.replace(res, score=None, outcome="verifier_needs_network", error=(
+        f"verifier needs network: it failed with a network error ({evidence!r}), on a fresh sandbox of the task "
+        f"too; {how}"))
 
 
 async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float | None,
@@ -198,8 +250,13 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
 
     env = {"TEST_DIR": "/tests", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "HOME": "/root", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PATH": tc.exec_path()}
+    if task.verifier_env:  # Harbor's [verifier] env (${VAR} from this process's environment)
+        env = {**resolve_env(task.verifier_env, f"task {task.id}: [verifier]"), **env}
     try:
         await sandbox.kill_all()
+        phases = getattr(sandbox, "phase_network", None)
+        if phases is not None:  # the verifier's own network (tasks/env.py decided it per phase)
+            await sandbox.set_network(phases["verifier"])
         for i, cmd in enumerate(task.services):
             r = await sandbox.exec(["bash", "-c", f"( {cmd} ) </dev/null >/tmp/.jaxrl-service-{i}.log 2>&1"], 120,
                                    env=env, workdir=workdir)

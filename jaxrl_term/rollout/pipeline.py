@@ -153,6 +153,7 @@ class RolloutPipeline:
         self._changed = asyncio.Condition()
         self._producer: asyncio.Task | None = None
         self.counters: Counter = Counter()
+        self.needs_network: set[str] = set()  # tasks whose verifier needs network it does not have
         self.end_reasons: Counter = Counter()
         self._active = 0
         self._busy_s = 0.0
@@ -279,6 +280,12 @@ class RolloutPipeline:
         except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped
             log.warning("episode %d/%d of %s failed: %s: %s", seq, k, task.id, type(e).__name__, e)
             self.counters["retry_sandbox_exception"] += 1
+            return None
+        if result.outcome == "verifier_needs_network":  # never a 0 for the agent: dropped, and said loudly
+            if task.id not in self.needs_network:
+                self.needs_network.add(task.id)
+                log.error("task %s: %s; its episodes are dropped, not scored", task.id, result.error)
+            self.counters["verifier_needs_network"] += 1
             return None
         if not result.ok:
             self.counters["retry_verifier_error"] += 1

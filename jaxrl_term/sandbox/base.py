@@ -37,7 +37,9 @@ class SandboxLimits:
     cpus: float = 1.0
     memory_mb: int = 2048
     pids: int = 512
-    network: bool = False
+    network: bool = False  # attached to ``public_network`` (``Sandbox.set_network`` changes it per phase)
+    public_network: str = "bridge"  # the Docker network "public" means (one with the egress the run allows)
+    task_network: str | None = None  # a compose environment's network, joined as service "main"
     workdir: str = "/app"
     max_output_bytes: int = 32768  # per command, head + tail
     env: tuple[tuple[str, str], ...] = ()
@@ -67,6 +69,10 @@ class Sandbox(Protocol):
     async def read_file(self, path: str) -> bytes: ...
     async def upload_dir(self, local_dir: str | os.PathLike, remote_dir: str) -> None: ...
     async def close(self) -> None: ...
+    async def set_network(self, online: bool) -> None:
+        """Attach (``True``) or detach the public network for the next phase; a compose environment's own network
+        stays. Backends that cannot change it raise ``SandboxError`` when asked for a change."""
+        ...
 
 
 BACKENDS = ("docker", "local")
@@ -153,6 +159,9 @@ class SandboxPool:
 
         if max_concurrent < 1:
             raise ValueError("sandbox.max_concurrent must be >= 1")
+        # the run's per-phase network overrides (tasks/env.py reads them); not sandbox limits themselves
+        self.phase_overrides = {k: default_limits.pop(k) for k in ("agent_network", "verifier_network")
+                                if k in default_limits}
         self.backend, self.max_concurrent, self.default_limits = backend, max_concurrent, default_limits
         self._sem = asyncio.Semaphore(max_concurrent)
         self.open = self.waiting = self.created = self.failed = 0

@@ -137,6 +137,15 @@ def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> 
             log.debug("reap %s: %s", c.short_id, e)
     if removed:
         log.info("reaped %d leftover sandbox containers", removed)
+    # compose environments' networks (labelled like their containers), once their containers are gone
+    for net in cl.networks.list(filters=filters):
+        labels = net.attrs.get("Labels") or {}
+        if not all_runs and run_id is None and owner_gone(labels) is not True:
+            continue
+        try:
+            net.remove()
+        except Exception as e:  # noqa: BLE001 - still in use by a live container, or already gone
+            log.debug("reap network %s: %s", net.name, e)
     return removed
 
 
@@ -152,6 +161,8 @@ def _reap_own() -> None:
         for c in client().containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in mine.items()]},
                                           sparse=True):
             c.remove(force=True, v=True)
+        for net in client().networks.list(filters={"label": [f"{k}={v}" for k, v in mine.items()]}):
+            net.remove()
     except Exception:  # noqa: BLE001 - best effort at exit: the next start-up's reap catches the rest
         pass
 
@@ -289,7 +300,6 @@ class DockerSandbox:
         run_kwargs = dict(
             detach=True,
             init=True,  # docker-init (tini, bind-mounted from the host) reaps zombies and forwards signals
-            network_mode="bridge" if limits.network else "none",
             nano_cpus=int(limits.cpus * 1e9),
             mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m",
@@ -301,6 +311,11 @@ class DockerSandbox:
             cap_drop=list(DROPPED_CAPS),
             security_opt=["no-new-privileges"],
         )
+        if limits.task_network:  # a compose environment: the agent's container is its service "main"
+            run_kwargs.update(network=limits.task_network, networking_config={
+                limits.task_network: client().api.create_endpoint_config(aliases=["main"])})
+        else:
+            run_kwargs["network_mode"] = limits.public_network if limits.network else "none"
         if limits.disk_gb and _storage_quota_supported():
             run_kwargs["storage_opt"] = {"size": f"{limits.disk_gb}G"}
         try:
@@ -359,7 +374,10 @@ class DockerSandbox:
         shell = PersistentShell(spawn, signal_command, workdir=limits.workdir, max_output_bytes=limits.max_output_bytes,
                                 recover=recover, kill_tree=kill_tree, pid_pressure=pid_pressure)
         sb = cls(container, limits, shell)
+        sb._online = limits.network and not limits.task_network
         try:
+            if limits.task_network and limits.network:
+                await sb.set_network(True)
             await shell.start()
         except BaseException:
             await sb.close()
@@ -494,6 +512,23 @@ class DockerSandbox:
         data = tar_directory(Path(local_dir))
         if not await _call(self.container.put_archive, remote_dir, data):
             raise SandboxError(f"upload_dir {local_dir} -> {remote_dir}: the archive upload was refused")
+
+    async def set_network(self, online: bool) -> None:
+        """Connect or disconnect the public network (``docker network connect/disconnect``; the container keeps
+        running). A container made with no network at all (``--network none``) cannot be connected later: open it
+        with ``network=True`` when any phase needs the network, then detach it for the phases that do not."""
+        if online == getattr(self, "_online", False):
+            return
+        if online and not self.limits.network and not self.limits.task_network:
+            raise SandboxError("this sandbox was opened without network (network=False): it cannot be given one "
+                               "later; open it with network=True and detach it for the offline phases")
+        net = await _call(client().networks.get, self.limits.public_network)
+        try:
+            await _call(net.connect if online else net.disconnect, self.container)
+        except docker_errors().APIError as e:
+            raise SandboxError(f"cannot {'connect' if online else 'disconnect'} network "
+                               f"{self.limits.public_network!r}: {e.explanation or e}") from e
+        self._online = online
 
     async def close(self) -> None:
         if self._closed:

@@ -449,6 +449,13 @@ class LocalSandbox:
         host, parts = self._writable_target(remote_dir)
         await asyncio.to_thread(beneath.upload, local_dir, host, parts, remote_dir, self._owner_ids)
 
+    async def set_network(self, online: bool) -> None:
+        """The local sandbox's network namespace is fixed at start: host network or loopback only."""
+        if online != self.limits.network:
+            raise SandboxError(f"the local backend cannot {'give' if online else 'take away'} network between "
+                               "phases (its network namespace is fixed at start); use sandbox=docker for a task "
+                               "whose agent and verifier phases differ in network")
+
     async def close(self) -> None:
         if self._closed:
             return

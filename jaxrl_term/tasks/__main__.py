@@ -3,6 +3,8 @@
     ls SRC                       table of id, difficulty, category, #tests
     convert SRC DST              DST.parquet (our Parquet) or DST/ (Harbor task directories)
     check SRC --agent oracle|nop [-j N] [--backend docker|local] [--json OUT]
+          [--agent-network task|none|public] [--verifier-network task|none|public] [--public-network NET]
+          [--network-preflight]   oracle offline first; one that passes only online: "verifier needs network"
 
 SRC: a TB1 or Harbor task dir or folder of them, a TB-RL .csv, a .parquet, or ``builtin[:train|heldout]``.
 """
@@ -38,6 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--ids", default=None, help="comma-separated task ids")
     ck.add_argument("--json", default=None, help="write the JSON summary here")
     ck.add_argument("--skip-bad", action="store_true")
+    for phase in ("agent", "verifier"):
+        ck.add_argument(f"--{phase}-network", choices=["task", "none", "public"], default="task",
+                        help=f"the {phase} phase's network: the task's own policy (default), never, or always")
+    ck.add_argument("--public-network", default="bridge", help="the Docker network 'public' means")
+    ck.add_argument("--network-preflight", action="store_true",
+                    help="with --agent oracle: run each task's verifier offline first; report those that pass only "
+                         "online as 'verifier needs network'")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from jaxrl_term.sandbox.base import unwind_on_sigterm
@@ -97,11 +106,16 @@ def main(argv: list[str] | None = None) -> int:
             broken[0] += r.broken
             bar.update(job, advance=1, description=f"{broken[0]} broken; last: {r.task_id}")
 
+        limits = {"agent_network": args.agent_network, "verifier_network": args.verifier_network,
+                  "public_network": args.public_network}
         results = asyncio.run(check_tasks(tasks, args.agent, jobs=args.jobs, backend=args.backend,
-                                          scoring=args.scoring, progress=tick))
+                                          scoring=args.scoring, progress=tick, limits=limits,
+                                          network_preflight=args.network_preflight))
     print_table(results)
     s = summary(results)
     print(f"{s['ok']}/{s['tasks']} ok, {len(s['broken'])} broken")
+    if s["verifier_needs_network"]:
+        print(f"verifier needs network: {', '.join(s['verifier_needs_network'])}")
     if args.json:
         dump_json(results, args.json)
     return 0 if not s["broken"] else 1

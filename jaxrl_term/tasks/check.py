@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import shlex
 import time
 from collections.abc import Sequence
 
 from jaxrl_term.reward.verifier import verify
 from jaxrl_term.tasks.env import open_task_sandbox
-from jaxrl_term.tasks.task import Task
+from jaxrl_term.tasks.task import Task, resolve_env
 
 AGENTS = ("oracle", "nop")
 
@@ -26,7 +27,7 @@ class CheckResult:
     agent: str
     score: float | None
     outcome: str  # scored | test_timeout | tampered | verifier_sabotaged | verifier_error | build_error |
-    #              sandbox_error | no_solution
+    #              sandbox_error | no_solution | verifier_needs_network
     passed: dict[str, bool]
     duration_s: float
     broken: bool
@@ -42,11 +43,45 @@ async def run_oracle(task: Task, sb):
     assert task.solution is not None
     for rel, blob in task.solution.files.items():
         await sb.write_file(f"/solution/{rel}", blob.data, blob.mode)
-    return await sb.run(f"bash /solution/{task.solution.entry}", timeout_s=task.agent_timeout_s)
+    env = resolve_env(task.solution_env, f"task {task.id}: [solution]") if task.solution_env else {}
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())  # Harbor's [solution] env, for solve.sh only
+    return await sb.run(f"{'env ' + prefix if prefix else ''}bash /solution/{task.solution.entry}",
+                        timeout_s=task.agent_timeout_s)
 
 
 async def check_task(task: Task, agent: str, *, backend: str = "docker", builder=None, scoring: str = "weighted",
-                     limits: dict | None = None) -> CheckResult:
+                     limits: dict | None = None, network_preflight: bool = False) -> CheckResult:
+    """Run ``agent`` on ``task`` and verify. ``network_preflight`` (oracle): first with the verifier offline; a
+    task that fails there is run again with the verifier online, and one that passes online is reported as
+    ``verifier_needs_network`` (broken when the run's own settings give its verifier no network)."""
+    if not network_preflight or agent != "oracle" or task.solution is None:
+        return await _check(task, agent, backend=backend, builder=builder, scoring=scoring, limits=limits)
+    from jaxrl_term.tasks.env import phase_policies
+
+    limits = dict(limits or {})
+    own = phase_policies(task, limits.get("agent_network", "task"), limits.get("verifier_network", "task"))
+    off = await _check(task, agent, backend=backend, builder=builder, scoring=scoring,
+                       limits={**limits, "verifier_network": "none"})
+    if not off.broken:
+        return off
+    on = await _check(task, agent, backend=backend, builder=builder, scoring=scoring,
+                      limits={**limits, "verifier_network": "public"})
+    took = off.duration_s + on.duration_s
+    if on.broken:
+        if on.outcome == "verifier_needs_network" or off.outcome == "verifier_needs_network":
+            return dataclasses.replace(on, outcome="verifier_needs_network", duration_s=took, reason=(
+                "cannot be verified here: verifier needs network, and it fails online too (this machine's "
+                f"public network does not reach what it fetches): {on.reason}"))
+        return dataclasses.replace(on, duration_s=took)
+    broken = not own["verifier"].online
+    return dataclasses.replace(on, outcome="verifier_needs_network", duration_s=took, broken=broken, reason=(
+        "verifier needs network: the oracle passes with the verifier online and fails offline ("
+        f"{off.reason}); " + ("its verifier phase has no network under these settings: set [verifier] "
+                              "network_mode = \"public\" in task.toml or sandbox.verifier_network=public" if broken
+                              else "its settings grant the verifier network")))
+
+
+async def _check(task: Task, agent: str, *, backend: str, builder, scoring: str, limits: dict | None) -> CheckResult:
     t0 = time.monotonic()
     if agent not in AGENTS:
         raise ValueError(f"--agent {agent!r}; use one of {AGENTS}")
@@ -65,7 +100,9 @@ async def check_task(task: Task, agent: str, *, backend: str = "docker", builder
         return CheckResult(task.id, agent, None, kind, {}, time.monotonic() - t0, True, f"{type(e).__name__}: {e}")
     want = 1.0 if agent == "oracle" else 0.0
     reason = ""
-    if res.outcome != "scored":
+    if res.outcome == "verifier_needs_network":
+        reason = res.error or "verifier needs network"
+    elif res.outcome != "scored":
         reason = f"{res.outcome}: {res.error}"
     elif res.score != want:
         failing = [n for n, ok in res.passed.items() if ok != (agent == "oracle")]
@@ -75,7 +112,8 @@ async def check_task(task: Task, agent: str, *, backend: str = "docker", builder
 
 
 async def check_tasks(tasks: Sequence[Task], agent: str, *, jobs: int = 2, backend: str = "docker", builder=None,
-                      scoring: str = "weighted", limits: dict | None = None, progress=None) -> list[CheckResult]:
+                      scoring: str = "weighted", limits: dict | None = None, progress=None,
+                      network_preflight: bool = False) -> list[CheckResult]:
     """Every task checked (``jobs`` at once); ``progress(result)`` is called as each one finishes."""
     if builder is None and backend == "docker":
         from jaxrl_term.sandbox.images import ImageBuilder
@@ -85,7 +123,8 @@ async def check_tasks(tasks: Sequence[Task], agent: str, *, jobs: int = 2, backe
 
     async def one(t):
         async with sem:
-            r = await check_task(t, agent, backend=backend, builder=builder, scoring=scoring, limits=limits)
+            r = await check_task(t, agent, backend=backend, builder=builder, scoring=scoring, limits=limits,
+                                 network_preflight=network_preflight)
         if progress is not None:
             progress(r)
         return r
@@ -99,6 +138,8 @@ def summary(results: Sequence[CheckResult]) -> dict:
         "tasks": len(results),
         "ok": sum(not r.broken for r in results),
         "broken": [{"task": r.task_id, "reason": r.reason} for r in results if r.broken],
+        # verifiers that need network (all of them, also those whose settings grant it): fix or set the policy
+        "verifier_needs_network": [r.task_id for r in results if r.outcome == "verifier_needs_network"],
         "mean_score": (sum(r.score for r in results if r.score is not None) /
                        max(1, sum(r.score is not None for r in results))),
         "initially_passing": {r.task_id: r.initially_passing for r in results if r.initially_passing},

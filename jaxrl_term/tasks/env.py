@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import shlex
 from collections.abc import AsyncIterator
 
 from jaxrl_term.sandbox import toolchain
 from jaxrl_term.sandbox.base import Sandbox, SandboxError, SandboxPool, open_sandbox
-from jaxrl_term.tasks.task import Task, TaskFormatError
+from jaxrl_term.tasks.task import NO_NETWORK, PUBLIC, NetworkPolicy, Task, TaskFormatError, resolve_env
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +26,73 @@ async def image_for(task: Task, builder) -> str:
     return env.image
 
 
-def _limits(task: Task, limits: dict) -> dict:
-    out = dict(limits)
+NETWORK_OVERRIDES = ("task", "none", "public")  # sandbox.agent_network / sandbox.verifier_network
+PHASE_KEYS = ("agent_network", "verifier_network")
+
+
+def phase_policies(task: Task, agent: str = "task", verifier: str = "task") -> dict[str, NetworkPolicy]:
+    """The network each phase gets: the task's own policy (Harbor's ``[agent]`` / ``[verifier]`` over
+    ``[environment]``), or the run's override (``none``: never; ``public``: always). ``allowlist`` is refused:
+    our sandboxes enforce no per-host egress rules."""
+    out = {}
+    for phase, override in (("agent", agent), ("verifier", verifier)):
+        if override not in NETWORK_OVERRIDES:
+            raise ValueError(f"sandbox.{phase}_network={override!r}; use one of {NETWORK_OVERRIDES}")
+        policy = task.phase_network(phase) if override == "task" else PUBLIC if override == "public" else NO_NETWORK
+        if policy.mode == "allowlist":
+            raise TaskFormatError(f"task {task.id}: the {phase} phase's network_mode = 'allowlist' (allowed_hosts "
+                                  f"{list(policy.allowed_hosts)}) is not supported by jaxrl_term's sandboxes; set "
+                                  f"sandbox.{phase}_network=public or none to decide for it")
+        out[phase] = policy
+    return out
+
+
+def task_problems(tasks, limits: dict, backend: str) -> list[str]:
+    """What would stop a task's sandbox from opening as the task asks, found before any model or sandbox starts:
+    a network policy we cannot enforce, an ``${VAR}`` that is not set, a compose environment or a change of
+    network between phases on the local backend."""
+    out = []
+    for t in tasks:
+        try:
+            phases = phase_policies(t, limits.get("agent_network", "task"), limits.get("verifier_network", "task"))
+            resolve_env(t.environment.env, f"task {t.id}: [environment]")
+            resolve_env(t.verifier_env, f"task {t.id}: [verifier]")
+        except (TaskFormatError, ValueError) as e:
+            out.append(str(e))
+            continue
+        if backend == "local" and t.environment.compose:
+            out.append(f"task {t.id}: a compose environment needs sandbox=docker")
+        elif backend == "local" and phases["agent"].online != phases["verifier"].online:
+            out.append(f"task {t.id}: its agent phase has {'' if phases['agent'].online else 'no '}network and its "
+                       f"verifier phase {'has' if phases['verifier'].online else 'has none'}: the local backend "
+                       "cannot switch network between phases; use sandbox=docker or set sandbox.agent_network / "
+                       "sandbox.verifier_network to the same value")
+    return out
+
+
+def check_tasks_open(tasks, limits: dict, backend: str) -> None:
+    """``task_problems`` as an exception (train and eval call it when the tasks are loaded)."""
+    problems = task_problems(tasks, limits, backend)
+    if problems:
+        more = f"\n... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise TaskFormatError(f"{len(problems)} task(s) cannot run as they ask:\n" + "\n".join(problems[:20]) + more)
+
+
+def _limits(task: Task, limits: dict, phases: dict[str, NetworkPolicy]) -> dict:
+    out = {k: v for k, v in limits.items() if k not in PHASE_KEYS}
     env = task.environment
     out["workdir"] = env.workdir
     if env.cpus is not None:
         out["cpus"] = env.cpus
     if env.memory_mb is not None:
         out["memory_mb"] = env.memory_mb
-    if env.allow_internet and limits.get("network") is not False:
-        out["network"] = True
+    if env.storage_mb is not None and out.get("disk_gb") is None:
+        out["disk_gb"] = env.storage_mb / 1024
+    # attached at creation when any phase needs the network (a container made without one cannot get one later)
+    out["network"] = any(p.online for p in phases.values())
+    task_env = resolve_env(env.env, f"task {task.id}: [environment]") if env.env else {}
+    if task_env:
+        out["env"] = tuple(sorted({**dict(out.get("env") or ()), **task_env}.items()))
     return out
 
 
@@ -48,29 +107,106 @@ async def open_task_sandbox(
     **limits,
 ) -> AsyncIterator[Sandbox]:
     """``async with open_task_sandbox(task, builder=ImageBuilder()) as sb`` -> a sandbox in the task's initial
-    state. Docker: the task image (built on first use), with the verifier's toolchain volume mounted read-only
-    (``sandbox/toolchain.py``). Local: the host system with the Dockerfile's WORKDIR / COPY / ENV / RUN steps
-    replayed inside the sandbox (no package installs)."""
-    lim = _limits(task, limits)
-    labels = {"jaxrl_term.task": task.id[:63], **(labels or {})}
-    mounts = None
-    if backend == "docker":
-        if builder is None:
-            from jaxrl_term.sandbox.images import ImageBuilder
+    state, in its agent phase. Docker: the task image (built on first use), with the verifier's toolchain volume
+    mounted read-only (``sandbox/toolchain.py``); a compose environment's other services started on the sandbox's
+    own network (``sandbox/compose.py``). Local: the host system with the Dockerfile's WORKDIR / COPY / ENV / RUN
+    steps replayed inside the sandbox (no package installs).
 
-            builder = ImageBuilder()
-        image = await image_for(task, builder)
-        # the verifier's own python, copied from the pristine image (made once per image, before any agent runs)
-        tc = await toolchain.for_image(image)
-        mounts = {tc.volume: toolchain.MOUNT} if tc.volume else None
-    else:
-        image = None
-    cm = (pool.sandbox(image, labels=labels, mounts=mounts, **lim) if pool
-          else open_sandbox(backend, image, labels=labels, mounts=mounts, **lim))
-    async with cm as sb:
+    Network per phase: ``agent_network`` / ``verifier_network`` (``task`` | ``none`` | ``public``) decide it;
+    ``sb.phase_network`` holds each phase's answer and the verifier switches to its own (``Sandbox.set_network``).
+    The task's ``[environment] env`` is resolved from this process's environment (``${VAR}``) and set in the
+    sandbox; ``[environment] healthcheck`` must pass before this returns."""
+    overrides = {k: limits.get(k, getattr(pool, "phase_overrides", {}).get(k, "task")) for k in PHASE_KEYS}
+    phases = phase_policies(task, overrides["agent_network"], overrides["verifier_network"])
+    lim = _limits(task, limits, phases)
+    labels = {"jaxrl_term.task": task.id[:63], **(labels or {})}
+    env = task.environment
+    async with contextlib.AsyncExitStack() as stack:
+        mounts = None
+        if backend == "docker":
+            if builder is None:
+                from jaxrl_term.sandbox.images import ImageBuilder
+
+                builder = ImageBuilder()
+            image = await image_for(task, builder)
+            # the verifier's own python, copied from the pristine image (made once per image, before any agent runs)
+            tc = await toolchain.for_image(image)
+            mounts = {tc.volume: toolchain.MOUNT} if tc.volume else None
+            if env.compose:
+                lim = await _start_compose(task, builder, lim, labels, stack)
+        else:
+            image = None
+            if env.compose:
+                raise SandboxError(f"task {task.id}: a compose environment (environment/docker-compose.yaml) needs "
+                                   "sandbox=docker")
+        cm = (pool.sandbox(image, labels=labels, mounts=mounts, **lim) if pool
+              else open_sandbox(backend, image, labels=labels, mounts=mounts, **lim))
+        sb = await stack.enter_async_context(cm)
+        sb.phase_network = {phase: p.online for phase, p in phases.items()}
+        # a fresh sandbox of the same task with the same settings (the verifier's sabotage / network checks)
+        sb.reopen = functools.partial(open_task_sandbox, task, backend=backend, builder=builder, labels=labels,
+                                      **limits)
+        if lim["network"] and not phases["agent"].online:
+            await sb.set_network(False)  # the verifier phase gets it back; the agent never sees it
         if backend == "local":
             await replay_dockerfile(task, sb)
+        if env.healthcheck is not None:
+            await run_healthcheck(task, sb)
         yield sb
+
+
+async def _start_compose(task: Task, builder, lim: dict, labels: dict, stack) -> dict:
+    """Start a compose environment's services; the agent's sandbox joins their network as ``main``."""
+    from jaxrl_term.sandbox import compose
+    from jaxrl_term.sandbox.base import SandboxLimits
+    from jaxrl_term.sandbox.docker import owner_labels
+
+    env = task.environment
+    where = f"task {task.id}: environment/docker-compose.yaml"
+    spec = compose.parse_compose(env.compose, where)
+    import os
+
+    variables = {**os.environ, **dict(lim.get("env") or ()), "CPUS": str(lim.get("cpus", 1)),
+                 "MEMORY": f"{lim.get('memory_mb', 2048)}M"}
+    base = SandboxLimits(**{k: v for k, v in lim.items() if k in SandboxLimits.__dataclass_fields__})
+    project = await compose.start(spec, files=env.files, dockerfile=env.dockerfile, builder=builder,
+                                  labels={**owner_labels(), **labels}, internal=True, env=variables, limits=base,
+                                  where=where, build_timeout_s=env.build_timeout_s)
+    stack.push_async_callback(project.close)
+    main = compose.interpolate(dict(spec.main), variables)
+    out = dict(lim, task_network=project.network)
+    main_env = compose.environment_of(main)
+    if main_env:
+        out["env"] = tuple(sorted({**dict(out.get("env") or ()), **main_env}.items()))
+    if main.get("working_dir"):
+        out["workdir"] = str(main["working_dir"])
+    limits_ = ((main.get("deploy") or {}).get("resources") or {}).get("limits") or {}
+    if "cpus" in limits_:
+        out["cpus"] = float(limits_["cpus"])
+    if "memory" in limits_:
+        out["memory_mb"] = compose._memory_bytes(limits_["memory"]) // 2**20
+    return out
+
+
+async def run_healthcheck(task: Task, sb: Sandbox) -> None:
+    """Harbor's environment healthcheck (Docker HEALTHCHECK semantics): failures during ``start_period_s`` do not
+    count; ``retries`` consecutive failures after it fail the sandbox."""
+    hc = task.environment.healthcheck
+    assert hc is not None
+    loop = asyncio.get_running_loop()
+    start, failures, last = loop.time(), 0, ""
+    while True:
+        r = await sb.exec(["bash", "-c", hc.command], hc.timeout_s)
+        if r.exit_code == 0:
+            return
+        last = r.output.strip()[-500:] or f"exit {r.exit_code}"
+        in_start = loop.time() - start < hc.start_period_s
+        if not in_start:
+            failures += 1
+            if failures >= hc.retries:
+                raise SandboxError(f"task {task.id}: [environment.healthcheck] {hc.command!r} failed {failures} "
+                                   f"times after the start period: {last}")
+        await asyncio.sleep(hc.start_interval_s if in_start else hc.interval_s)
 
 
 async def replay_dockerfile(task: Task, sb: Sandbox) -> None:

@@ -7,6 +7,7 @@ Every error names the file (or CSV row) and the field; ``skip_bad=True`` logs ba
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from jaxrl_term.tasks.task import Environment, FileBlob, Solution, Task, TaskFormatError, Tests
+from jaxrl_term.tasks.task import (Environment, FileBlob, Healthcheck, NetworkPolicy, Solution, Task,
+                                   TaskFormatError, Tests)
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +148,60 @@ def _memory_mb(value, where: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
+# Harbor's task model (``TaskConfig`` in harbor/models/task/config.py): every field, its default, and what we
+# do with it. A field we cannot honour is refused by name when it asks for something; unknown keys are refused
+# (a misspelt key would otherwise be silently dropped).
+HARBOR_TOP = {"schema_version", "version", "task", "metadata", "verifier", "agent", "environment", "solution",
+              "source"}
+HARBOR_ENVIRONMENT = {"build_timeout_sec", "docker_image", "cpus", "memory_mb", "storage_mb", "gpus", "gpu_types",
+                      "allow_internet", "network_mode", "allowed_hosts", "mcp_servers", "env", "skills_dir",
+                      "healthcheck", "memory", "storage"}
+HARBOR_VERIFIER = {"timeout_sec", "env", "user", "network_mode", "allowed_hosts"}
+HARBOR_AGENT = {"timeout_sec", "user", "network_mode", "allowed_hosts"}
+HARBOR_SOLUTION = {"env"}
+HARBOR_HEALTHCHECK = {"command", "interval_sec", "timeout_sec", "start_period_sec", "start_interval_sec", "retries"}
+HARBOR_DEFAULTS = {"build_timeout_sec": 600.0, "cpus": 1, "memory_mb": 2048, "storage_mb": 10240, "gpus": 0,
+                   "allow_internet": True}
+
+
+def _table(cfg: dict, name: str, where: str, keys: set[str]) -> dict:
+    t = cfg.get(name, {})
+    if not isinstance(t, dict):
+        raise TaskFormatError(f"{where}: [{name}] must be a table")
+    unknown = sorted(set(t) - keys)
+    if unknown:
+        raise TaskFormatError(f"{where}: [{name}] {unknown[0]} is not a field of Harbor's task model (known: "
+                              f"{sorted(keys)}); fix the spelling or remove it")
+    return t
+
+
+def _str_map(value, where: str, field: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+        raise TaskFormatError(f"{where}: {field} must be a table of NAME = \"value\"")
+    return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in value.items()}
+
+
+def _network(section: dict, where: str, name: str) -> NetworkPolicy | None:
+    """A section's network_mode / allowed_hosts (Harbor: allowed_hosts alone means allowlist)."""
+    mode, hosts = section.get("network_mode"), section.get("allowed_hosts") or []
+    if mode is None and not hosts:
+        return None
+    if not isinstance(hosts, list):
+        raise TaskFormatError(f"{where}: [{name}] allowed_hosts must be a list of host names")
+    try:
+        policy = NetworkPolicy(mode or "allowlist", tuple(str(h).strip().lower().rstrip(".") for h in hosts))
+    except TaskFormatError as e:
+        raise TaskFormatError(f"{where}: [{name}] {e}") from e
+    if policy.mode == "allowlist":
+        raise TaskFormatError(f"{where}: [{name}] network_mode = 'allowlist' (allowed_hosts {list(policy.allowed_hosts)})"
+                              " is not supported: jaxrl_term's sandboxes enforce no per-host egress rules; use "
+                              "'public' or 'no-network'")
+    return policy
+
+
 def load_harbor_task(d: Path) -> Task:
-    """A Harbor / Terminal-Bench 2 task directory (instruction.md, task.toml, environment/, tests/, solution/)."""
+    """A Harbor / Terminal-Bench 2 task directory (instruction.md, task.toml, environment/, tests/, solution/),
+    with Harbor's defaults: 1 CPU, 2048 MB, 10240 MB of storage, internet allowed, 600 s build / verifier."""
     tt = d / "task.toml"
     try:
         cfg = tomllib.loads(tt.read_text())
@@ -160,28 +214,85 @@ def load_harbor_task(d: Path) -> Task:
     if not (tests_dir / "test.sh").is_file():
         raise TaskFormatError(f"{d}: tests/test.sh is missing; a Harbor task needs its verifier script")
     where = str(tt)
-    for section in ("metadata", "verifier", "agent", "environment"):
-        if section in cfg and not isinstance(cfg[section], dict):
-            raise TaskFormatError(f"{tt}: [{section}] must be a table")
-    meta = dict(cfg.get("metadata", {}))
-    ver, agent, envc = cfg.get("verifier", {}), cfg.get("agent", {}), cfg.get("environment", {})
+    unknown = sorted(set(cfg) - HARBOR_TOP)
+    if unknown:
+        raise TaskFormatError(f"{where}: {unknown[0]!r} is not a field of Harbor's task model (known: "
+                              f"{sorted(HARBOR_TOP)})")
+    meta = dict(_table(cfg, "metadata", where, set(cfg.get("metadata") or {})))
+    ver = _table(cfg, "verifier", where, HARBOR_VERIFIER)
+    agent = _table(cfg, "agent", where, HARBOR_AGENT)
+    envc = {**HARBOR_DEFAULTS, **_table(cfg, "environment", where, HARBOR_ENVIRONMENT)}
+    sol = _table(cfg, "solution", where, HARBOR_SOLUTION)
+    for section, t in (("agent", agent), ("verifier", ver)):
+        if t.get("user") is not None:
+            raise TaskFormatError(f"{where}: [{section}] user = {t['user']!r} is not supported: the {section} runs as "
+                                  "root in jaxrl_term's sandboxes; remove it")
+    if _number(envc["gpus"], where, "[environment] gpus") > 0 or envc.get("gpu_types"):
+        raise TaskFormatError(f"{where}: [environment] gpus = {envc['gpus']} (gpu_types {envc.get('gpu_types')}) "
+                              "cannot be honoured: jaxrl_term's sandboxes pass no GPUs through; drop the task or "
+                              "set gpus = 0")
+    for field in ("mcp_servers", "skills_dir"):
+        if envc.get(field):
+            raise TaskFormatError(f"{where}: [environment] {field} = {envc[field]!r} is not supported (jaxrl_term's "
+                                  "agent has no MCP client or skills directory); remove it")
     test_t = _number(ver.get("timeout_sec", HARBOR_DEFAULT_TEST_TIMEOUT), where, "[verifier] timeout_sec")
-    agent_t = _number(agent.get("timeout_sec", HARBOR_DEFAULT_AGENT_TIMEOUT), where, "[agent] timeout_sec")
+    agent_t = agent.get("timeout_sec")
+    agent_t = HARBOR_DEFAULT_AGENT_TIMEOUT if agent_t is None else _number(agent_t, where, "[agent] timeout_sec")
     env_dir = d / "environment"
     dockerfile = (env_dir / "Dockerfile").read_text() if (env_dir / "Dockerfile").is_file() else None
+    compose_text = None
+    for name in ("docker-compose.yaml", "docker-compose.yml"):
+        if (env_dir / name).is_file():
+            from jaxrl_term.sandbox.compose import parse_compose
+
+            compose_text = (env_dir / name).read_text()
+            main = parse_compose(compose_text, str(env_dir / name)).main
+            if dockerfile is None and main.get("build"):
+                from jaxrl_term.sandbox.compose import context_files
+
+                files = _read_tree(env_dir)
+                dockerfile, _ = context_files(files, None, main["build"], str(env_dir / name))
+            elif dockerfile is None and main.get("image") and not envc.get("docker_image"):
+                envc["docker_image"] = main["image"]
+            break
     image = envc.get("docker_image")
     if dockerfile is None and not image:
-        raise TaskFormatError(f"{d}: needs environment/Dockerfile or [environment] docker_image in task.toml")
-    memory = envc.get("memory_mb", envc.get("memory"))
+        raise TaskFormatError(f"{d}: needs environment/Dockerfile, [environment] docker_image in task.toml, or a "
+                              "'main' service with build or image in environment/docker-compose.yaml")
+    memory = _memory_mb(envc["memory"], where) if envc.get("memory") is not None else \
+        int(_number(envc["memory_mb"], where, "[environment] memory_mb"))
+    storage = _memory_mb(envc["storage"], where) if envc.get("storage") is not None else \
+        int(_number(envc["storage_mb"], where, "[environment] storage_mb"))
+    hc = envc.get("healthcheck")
+    healthcheck = None
+    if hc is not None:
+        if not isinstance(hc, dict) or not isinstance(hc.get("command"), str):
+            raise TaskFormatError(f"{where}: [environment.healthcheck] needs command = \"...\"")
+        bad = sorted(set(hc) - HARBOR_HEALTHCHECK)
+        if bad:
+            raise TaskFormatError(f"{where}: [environment.healthcheck] {bad[0]} is not a field (known: "
+                                  f"{sorted(HARBOR_HEALTHCHECK)})")
+        healthcheck = Healthcheck(hc["command"], *(
+            _number(hc.get(k, dflt), where, f"[environment.healthcheck] {k}") for k, dflt in (
+                ("interval_sec", 5.0), ("timeout_sec", 30.0), ("start_period_sec", 0.0),
+                ("start_interval_sec", 5.0))), int(_number(hc.get("retries", 3), where, "retries")))
+    if not isinstance(envc["allow_internet"], bool):
+        raise TaskFormatError(f"{where}: [environment] allow_internet must be true or false")
     env = Environment(
         dockerfile=dockerfile,
-        files=_read_tree(env_dir, exclude=("Dockerfile",)) if env_dir.is_dir() else {},
+        files=_read_tree(env_dir, exclude=("Dockerfile", "docker-compose.yaml", "docker-compose.yml"))
+        if env_dir.is_dir() else {},
         image=None if dockerfile else image,
         workdir=dockerfile_workdir(dockerfile),
-        cpus=_number(envc["cpus"], where, "[environment] cpus") if "cpus" in envc else None,
-        memory_mb=_memory_mb(memory, where) if memory is not None else None,
-        allow_internet=bool(envc.get("allow_internet", False)),
-        build_timeout_s=_number(envc.get("build_timeout_sec", 1800.0), where, "[environment] build_timeout_sec"),
+        cpus=_number(envc["cpus"], where, "[environment] cpus"),
+        memory_mb=memory,
+        allow_internet=envc["allow_internet"],
+        build_timeout_s=_number(envc["build_timeout_sec"], where, "[environment] build_timeout_sec"),
+        network=_network(envc, where, "environment"),
+        env=_str_map(envc.get("env", {}), where, "[environment] env"),
+        storage_mb=storage,
+        compose=compose_text,
+        healthcheck=healthcheck,
     )
     tests = Tests("harbor", _read_tree(tests_dir), "test.sh")
     solution = None
@@ -191,7 +302,15 @@ def load_harbor_task(d: Path) -> Task:
     if not isinstance(tags, list):
         raise TaskFormatError(f"{tt}: [metadata] tags must be a list")
     meta.update(tags=[str(t) for t in tags], source="harbor", source_path=str(d))
-    return Task(d.name, inst.read_text(), env, tests, solution, agent_t, test_t, meta)
+    for key in ("schema_version", "version", "source"):
+        if key in cfg:
+            meta.setdefault(f"harbor_{key}", cfg[key])
+    if "task" in cfg:
+        meta.setdefault("package", cfg["task"])
+    return Task(d.name, inst.read_text(), env, tests, solution, agent_t, test_t, meta,
+                agent_network=_network(agent, where, "agent"), verifier_network=_network(ver, where, "verifier"),
+                verifier_env=_str_map(ver.get("env", {}), where, "[verifier] env"),
+                solution_env=_str_map(sol.get("env", {}), where, "[solution] env"))
 
 
 # ------------------------------------------------------------------------------------------ TB-RL CSV
@@ -290,7 +409,39 @@ def _schema():
         ("tests_weights", pa.string()),
         ("solution_entry", pa.string()), ("solution_files", files),
         ("agent_timeout_s", pa.float64()), ("test_timeout_s", pa.float64()), ("metadata", pa.string()),
+        ("semantics", pa.string()),  # JSON: the fields below (optional: files written before it load unchanged)
     ])
+
+
+def _policy_json(p: NetworkPolicy | None):
+    return None if p is None else {"mode": p.mode, "allowed_hosts": list(p.allowed_hosts)}
+
+
+def _policy_from(d) -> NetworkPolicy | None:
+    return None if d is None else NetworkPolicy(d["mode"], tuple(d.get("allowed_hosts") or ()))
+
+
+def _semantics(t: Task) -> str:
+    e = t.environment
+    return json.dumps({
+        "network": _policy_json(e.network), "env": dict(e.env), "storage_mb": e.storage_mb, "compose": e.compose,
+        "healthcheck": dataclasses.asdict(e.healthcheck) if e.healthcheck else None,
+        "agent_network": _policy_json(t.agent_network), "verifier_network": _policy_json(t.verifier_network),
+        "verifier_env": dict(t.verifier_env), "solution_env": dict(t.solution_env), "services": list(t.services),
+    }, ensure_ascii=False)
+
+
+def _with_semantics(env: Environment, raw: str | None) -> tuple[Environment, dict]:
+    """The environment with its semantics column applied, and the task-level fields of that column."""
+    sem = json.loads(raw) if raw else {}
+    env = dataclasses.replace(env, network=_policy_from(sem.get("network")), env=sem.get("env") or {},
+                              storage_mb=sem.get("storage_mb"), compose=sem.get("compose"),
+                              healthcheck=Healthcheck(**sem["healthcheck"]) if sem.get("healthcheck") else None)
+    task_kw = dict(agent_network=_policy_from(sem.get("agent_network")),
+                   verifier_network=_policy_from(sem.get("verifier_network")),
+                   verifier_env=sem.get("verifier_env") or {}, solution_env=sem.get("solution_env") or {},
+                   services=tuple(sem.get("services") or ()))
+    return env, task_kw
 
 
 def save_parquet(tasks: Sequence[Task], path: str | os.PathLike) -> Path:
@@ -312,6 +463,7 @@ def save_parquet(tasks: Sequence[Task], path: str | os.PathLike) -> Path:
             "solution_files": _files_to_list(t.solution.files) if t.solution else None,
             "agent_timeout_s": t.agent_timeout_s, "test_timeout_s": t.test_timeout_s,
             "metadata": json.dumps(dict(t.metadata), ensure_ascii=False),
+            "semantics": _semantics(t),
         })
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -323,7 +475,7 @@ def load_parquet(path: Path, *, skip_bad: bool = False, errors: list | None = No
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
-    missing = set(_schema().names) - set(table.column_names)
+    missing = set(_schema().names) - set(table.column_names) - {"semantics"}
     if missing:
         raise TaskFormatError(f"{path}: not a jaxrl_term task Parquet file (missing columns {sorted(missing)})")
     tasks = []
@@ -331,11 +483,12 @@ def load_parquet(path: Path, *, skip_bad: bool = False, errors: list | None = No
         try:
             env = Environment(r["dockerfile"], _files_from_list(r["env_files"]), r["image"], r["workdir"], r["cpus"],
                               r["memory_mb"], r["allow_internet"], r["build_timeout_s"])
+            env, task_kw = _with_semantics(env, r.get("semantics"))
             tests = Tests(r["tests_runner"], _files_from_list(r["tests_files"]), r["tests_entry"],
                           json.loads(r["tests_weights"] or "{}"))
             sol = Solution(_files_from_list(r["solution_files"]), r["solution_entry"]) if r["solution_entry"] else None
             tasks.append(Task(r["id"], r["instruction"], env, tests, sol, r["agent_timeout_s"], r["test_timeout_s"],
-                              json.loads(r["metadata"] or "{}")))
+                              json.loads(r["metadata"] or "{}"), **task_kw))
         except (TaskFormatError, json.JSONDecodeError, TypeError) as e:
             err = TaskFormatError(f"{path}: row {i} ({r.get('id')}): {e}")
             if not skip_bad:
@@ -432,7 +585,16 @@ def _toml_value(v) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }"
     return json.dumps(str(v), ensure_ascii=False)
+
+
+def _network_lines(p: NetworkPolicy | None) -> list[str]:
+    if p is None:
+        return []
+    return [f"network_mode = {_toml_value(p.mode)}"] + (
+        [f"allowed_hosts = {_toml_value(list(p.allowed_hosts))}"] if p.allowed_hosts else [])
 
 
 def export_harbor(tasks: Sequence[Task], out_dir: str | os.PathLike) -> Path:
@@ -450,16 +612,32 @@ def export_harbor(tasks: Sequence[Task], out_dir: str | os.PathLike) -> Path:
         meta = {k: v for k, v in t.metadata.items() if v is not None and isinstance(v, (str, int, float, bool, list))}
         lines = ["version = \"1.0\"", "", "[metadata]"]
         lines += [f"{k} = {_toml_value(v)}" for k, v in sorted(meta.items()) if k not in ("source_path",)]
-        lines += ["", "[verifier]", f"timeout_sec = {t.test_timeout_s!r}", "", "[agent]",
-                  f"timeout_sec = {t.agent_timeout_s!r}", "", "[environment]",
-                  f"build_timeout_sec = {t.environment.build_timeout_s!r}",
-                  f"allow_internet = {_toml_value(t.environment.allow_internet)}"]
-        if t.environment.cpus is not None:
-            lines.append(f"cpus = {t.environment.cpus!r}")
-        if t.environment.memory_mb is not None:
-            lines.append(f"memory_mb = {t.environment.memory_mb}")
-        if t.environment.image and not t.environment.dockerfile:
-            lines.append(f"docker_image = {_toml_value(t.environment.image)}")
+        e = t.environment
+        lines += ["", "[verifier]", f"timeout_sec = {t.test_timeout_s!r}", *_network_lines(t.verifier_network)]
+        if t.verifier_env:
+            lines.append(f"env = {_toml_value(dict(t.verifier_env))}")
+        lines += ["", "[agent]", f"timeout_sec = {t.agent_timeout_s!r}", *_network_lines(t.agent_network)]
+        if t.solution_env:
+            lines += ["", "[solution]", f"env = {_toml_value(dict(t.solution_env))}"]
+        lines += ["", "[environment]", f"build_timeout_sec = {e.build_timeout_s!r}",
+                  f"allow_internet = {_toml_value(e.allow_internet)}", *_network_lines(e.network)]
+        # Harbor's defaults (1 CPU, 2048 MB, 10240 MB) would apply to an unset field: write what the task had
+        lines.append(f"cpus = {e.cpus if e.cpus is not None else HARBOR_DEFAULTS['cpus']!r}")
+        lines.append(f"memory_mb = {e.memory_mb if e.memory_mb is not None else HARBOR_DEFAULTS['memory_mb']}")
+        if e.storage_mb is not None:
+            lines.append(f"storage_mb = {e.storage_mb}")
+        if e.env:
+            lines.append(f"env = {_toml_value(dict(e.env))}")
+        if e.image and not e.dockerfile:
+            lines.append(f"docker_image = {_toml_value(e.image)}")
+        if e.healthcheck:
+            h = e.healthcheck
+            lines += ["", "[environment.healthcheck]", f"command = {_toml_value(h.command)}",
+                      f"interval_sec = {h.interval_s!r}", f"timeout_sec = {h.timeout_s!r}",
+                      f"start_period_sec = {h.start_period_s!r}", f"start_interval_sec = {h.start_interval_s!r}",
+                      f"retries = {h.retries}"]
+        if e.compose:
+            (d / "environment" / "docker-compose.yaml").write_text(e.compose)
         (d / "task.toml").write_text("\n".join(lines) + "\n")
         if t.environment.dockerfile:
             (d / "environment" / "Dockerfile").write_text(t.environment.dockerfile)
