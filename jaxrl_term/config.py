@@ -70,6 +70,15 @@ class MeshCfg:
 
 
 @dataclasses.dataclass
+class DockerEnginesCfg:
+    """Several Docker engines (sandbox/engines.py): ``hosts`` as [{url, capacity, tls_verify, ca_cert,
+    client_cert, client_key, name}]; empty = the one default engine (DOCKER_HOST or the local socket)."""
+
+    hosts: list[Any] = field(default_factory=list)
+    cooldown_s: float = 60.0  # an engine that stopped answering is tried again after this
+
+
+@dataclasses.dataclass
 class SandboxCfg:
     backend: str = "docker"
     max_concurrent: int = 16
@@ -80,7 +89,7 @@ class SandboxCfg:
     # policy, "none" never, "public" always; "public" means the Docker network public_network.
     agent_network: str = "task"
     verifier_network: str = "task"
-    public_network: str = "bridge"
+    public_network: str = "jaxrl-public"
     workdir: str = "/app"
     max_output_bytes: int = 32768
     command_timeout_s: float = 120.0
@@ -88,12 +97,24 @@ class SandboxCfg:
     extra_ca_bundle: str = "auto"
     build_timeout_s: float = 1800.0
     max_parallel_builds: int = 2
+    docker: DockerEnginesCfg = field(default_factory=DockerEnginesCfg)
+
+    def engines(self):
+        """An ``EnginePool`` over ``docker.hosts``, or None for the one default engine."""
+        if not self.docker.hosts:
+            return None
+        from jaxrl_term.sandbox.engines import EnginePool
+
+        return EnginePool([dict(h) for h in self.docker.hosts], cooldown_s=self.docker.cooldown_s)
 
     def limits(self) -> dict[str, Any]:
         """Keyword arguments for ``open_sandbox`` / ``SandboxPool``."""
-        return dict(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids, agent_network=self.agent_network,
-                    verifier_network=self.verifier_network, public_network=self.public_network,
-                    workdir=self.workdir, max_output_bytes=self.max_output_bytes)
+        out = dict(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids, agent_network=self.agent_network,
+                   verifier_network=self.verifier_network, public_network=self.public_network,
+                   workdir=self.workdir, max_output_bytes=self.max_output_bytes)
+        if self.docker.hosts and self.backend != "local":  # one EnginePool per call: one per run / evaluation
+            out["engines"] = self.engines()
+        return out
 
 
 @dataclasses.dataclass

@@ -81,6 +81,13 @@ def sandbox_backend(sb) -> tuple[str, object | None]:
         from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP, ImageBuilder
 
         reap()
+        obj = OmegaConf.to_object(sb) if OmegaConf.is_config(sb) else sb
+        pool = obj.engines() if hasattr(obj, "engines") else None
+        for engine in (pool.engines if pool is not None else ()):
+            try:  # every engine the run places sandboxes on: what killed runs left there
+                reap(client_=engine.client())
+            except Exception as e:  # noqa: BLE001 - a down engine is found out again at placement
+                log.warning("could not reap on Docker engine %s: %s", engine.name, e)
         image_map = [tuple(x) for x in sb.image_map] or DEFAULT_IMAGE_MAP
         builder = ImageBuilder(image_map=image_map, ca_bundle=sb.extra_ca_bundle,
                                max_parallel_builds=sb.max_parallel_builds)
@@ -262,7 +269,7 @@ class Trainer:
         cfg = self.cfg
         agent = OmegaConf.to_object(cfg.agent)
         sb = OmegaConf.to_object(cfg.sandbox)
-        pool = SandboxPool(self.backend, max_concurrent=sb.max_concurrent, **sb.limits())
+        pool = SandboxPool(self.backend, max_concurrent=sb.max_concurrent, **sb.limits())  # engines included
         sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                   top_k=cfg.rollout.top_k, max_new_tokens=agent.max_tokens_per_turn)
         self.reward = OmegaConf.to_object(cfg.reward).mixer()

@@ -53,3 +53,24 @@ def hf_logits(model, ids, mask, pos):
             position_ids=torch.tensor(pos, dtype=torch.long),
         )
     return out.logits.float().numpy()
+
+
+class SessionEngine:
+    """Scripted LLM (the only fake): per episode, turn k gets replies[k]; some calls fail."""
+
+    def __init__(self, tokenizer, replies, fail_calls=()):
+        self.tok, self.replies, self.fail = tokenizer, replies, set(fail_calls)
+        self.turns: dict[str, int] = {}
+        self.calls = 0
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    async def generate(self, ids, sampling, *, session=None):
+        from jaxrl_term.rollout.engine import EngineError, Generation
+
+        self.calls += 1
+        if self.calls in self.fail:
+            raise EngineError("injected: connection reset")
+        k = self.turns.get(session, 0)
+        self.turns[session] = k + 1
+        out = self.tok(self.replies[min(k, len(self.replies) - 1)], add_special_tokens=False)["input_ids"] + [self.eos]
+        return Generation(out, [-0.5] * len(out), "stop", weight_version=0)

@@ -195,10 +195,12 @@ def test_tasks_that_cannot_run_as_they_ask_are_refused_before_training(tmp_path,
     assert task_problems([split], {}, "docker") == []
     probs = task_problems([split, secret, comp], {}, "local")
     assert len(probs) == 3
-    assert "split" in probs[0] and "cannot switch network between phases" in probs[0]
+    assert "split" in probs[0] and "host's own network" in probs[0]
     assert "JRT_UNSET_VAR" in probs[1] and "[environment]" in probs[1]
     assert "compose environment needs sandbox=docker" in probs[2]
     assert task_problems([split], {"verifier_network": "none"}, "local") == []  # the run decided for it
+    probs = task_problems([split], {"verifier_network": "public"}, "local")
+    assert len(probs) == 1 and "cannot switch network between phases" in probs[0]
     with pytest.raises(TaskFormatError, match="3 task"):
         check_tasks_open([split, secret, comp], {}, "local")
 
@@ -349,7 +351,7 @@ def test_verifier_network_per_phase_and_needs_network_preflight(docker_client, t
     """A TB2-style test.sh fetches its tools: with the verifier granted network the oracle scores 1 while the
     agent phase stays offline; with no network it is "verifier needs network", never a 0; a policy forged by
     the agent's output is not believed."""
-    from jaxrl_term.reward.verifier import _NEEDS_NETWORK, verify
+    from jaxrl_term.reward.verifier import reset_network_findings, verify
     from jaxrl_term.tasks.check import check_task
     from jaxrl_term.tasks.env import open_task_sandbox
 
@@ -384,7 +386,7 @@ def test_verifier_network_per_phase_and_needs_network_preflight(docker_client, t
                 await check_task(offline, "oracle", limits=lim, network_preflight=True),
                 await check_task(granted, "oracle", limits={**lim, "verifier_network": "none"}))
 
-    _NEEDS_NETWORK.clear()
+    reset_network_findings()
     ok, nop, off, pre, forced = _run(go())
     assert ok.score == 1.0 and not ok.broken, ok
     assert nop.score == 0.0 and not nop.broken, nop
@@ -393,7 +395,7 @@ def test_verifier_network_per_phase_and_needs_network_preflight(docker_client, t
         assert "verifier needs network" in r.reason and "resolv" in r.reason.lower()
     assert pre.outcome == "verifier_needs_network" and pre.broken and pre.score == 1.0, pre
     assert "passes with the verifier online and fails offline" in pre.reason
-    _NEEDS_NETWORK.clear()
+    reset_network_findings()
 
 
 def test_tasks_check_cli_reports_verifier_needs_network(docker_client, tmp_path, tools_network):

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import REPO
+from helpers import SessionEngine
 from jaxrl_term.config import register
 
 CLUSTER = ["qwen3_8b_a100x2", "qwen32b_h100x16", "qwen32b_h100", "tmax_qwen3_8b"]
@@ -158,27 +159,6 @@ def test_sigkill_then_resume_continues_with_the_same_tasks_and_params(tmp_path):
 
 
 # -------------------------------------------------------------------------------------- pipeline faults
-
-
-class SessionEngine:
-    """Scripted LLM (the only fake): per episode, turn k gets replies[k]; some calls fail."""
-
-    def __init__(self, tokenizer, replies, fail_calls=()):
-        self.tok, self.replies, self.fail = tokenizer, replies, set(fail_calls)
-        self.turns: dict[str, int] = {}
-        self.calls = 0
-        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    async def generate(self, ids, sampling, *, session=None):
-        from jaxrl_term.rollout.engine import EngineError, Generation
-
-        self.calls += 1
-        if self.calls in self.fail:
-            raise EngineError("injected: connection reset")
-        k = self.turns.get(session, 0)
-        self.turns[session] = k + 1
-        out = self.tok(self.replies[min(k, len(self.replies) - 1)], add_special_tokens=False)["input_ids"] + [self.eos]
-        return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
 
 
 def test_pipeline_retries_or_drops_failed_episodes_and_goes_on(docker_client, tiny_tokenizer_dir):

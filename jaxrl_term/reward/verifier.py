@@ -80,7 +80,15 @@ NETWORK_FAILURE = re.compile(
     r"failed to resolve|could not resolve|dns error|no such host|resolving timed out|"
     r"name resolution failed|failed to lookup address",
     re.I)
-_NEEDS_NETWORK: dict[str, str] = {}  # task id -> evidence, once a fresh sandbox confirmed it
+# (task id, verifier online, public network) -> evidence, once a fresh sandbox confirmed it; and those a fresh
+# sandbox cleared (an agent's forged error text is not re-checked at the cost of a sandbox every time)
+_NEEDS_NETWORK: dict[tuple, str] = {}
+_NETWORK_OK: set[tuple] = set()
+
+
+def reset_network_findings() -> None:
+    _NEEDS_NETWORK.clear()
+    _NETWORK_OK.clear()
 
 
 def network_evidence(output: str) -> str | None:
@@ -180,10 +188,12 @@ async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", tim
         raise ValueError(f"reward.scoring={scoring!r}; use one of {SCORING}")
     res = await _verify(task, sandbox, scoring, timeout_s, workdir)
     online = (getattr(sandbox, "phase_network", None) or {}).get("verifier", False)
+    key = (task.id, online, getattr(getattr(sandbox, "limits", None), "public_network", None))
+    if key in _NEEDS_NETWORK:  # the whole task is out (its successes too: no selection among its episodes)
+        return _needs_network(res, _NEEDS_NETWORK[key], online)
     evidence = network_evidence(res.output) if res.score is None or res.score < 1 else None
-    if evidence and task.id in _NEEDS_NETWORK:
-        return _needs_network(res, evidence, online)
-    if (res.outcome != "verifier_error" and not evidence) or fresh is False:
+    confirm = evidence is not None and key not in _NETWORK_OK and fresh is not False
+    if (res.outcome != "verifier_error" and not confirm) or fresh is False:
         return res
     if fresh is None or fresh is True:
         from jaxrl_term.tasks.env import open_task_sandbox
@@ -191,10 +201,11 @@ async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", tim
         backend = "docker" if getattr(sandbox, "container", None) is not None else "local"
         # the same settings as the sandbox had (tasks/env.py leaves them on it), else the defaults
         fresh = getattr(sandbox, "reopen", None) or functools.partial(open_task_sandbox, task, backend=backend)
-    if evidence:
+    if confirm:
         # The verifier failed and printed a network failure. On a fresh sandbox of the task (no agent): if it
-        # fails the same way, the verifier needs network it does not have (never a 0 for the agent); if not, the
-        # agent made that output, and its result stands.
+        # fails the same way, the verifier needs network it does not have, and the task is excluded from then on
+        # (every episode dropped, never a 0 or a selected 1); if not, the agent made that output: its result
+        # stands, and the task is not checked again.
         try:
             async with fresh() as sb:
                 again = await _verify(task, sb, scoring, timeout_s, workdir)
@@ -203,8 +214,10 @@ async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", tim
         except Exception:  # noqa: BLE001 - the check could not run: the result stands as a verifier error would
             again = None
         if again is not None and network_evidence(again.output) and (again.score is None or again.score < 1):
-            _NEEDS_NETWORK[task.id] = evidence
+            _NEEDS_NETWORK[key] = evidence
             return _needs_network(res, evidence, online)
+        if again is not None:
+            _NETWORK_OK.add(key)
         if res.outcome != "verifier_error":
             return res
     try:
@@ -252,11 +265,11 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
            "PYTHONDONTWRITEBYTECODE": "1", "PATH": tc.exec_path()}
     if task.verifier_env:  # Harbor's [verifier] env (${VAR} from this process's environment)
         env = {**resolve_env(task.verifier_env, f"task {task.id}: [verifier]"), **env}
+    phases = getattr(sandbox, "phase_network", None)
+    if phases is not None:  # the verifier's own network (tasks/env.py decided it per phase); outside the try:
+        await sandbox.set_network(phases["verifier"])  # an engine error here is infrastructure, never a 0
     try:
         await sandbox.kill_all()
-        phases = getattr(sandbox, "phase_network", None)
-        if phases is not None:  # the verifier's own network (tasks/env.py decided it per phase)
-            await sandbox.set_network(phases["verifier"])
         for i, cmd in enumerate(task.services):
             r = await sandbox.exec(["bash", "-c", f"( {cmd} ) </dev/null >/tmp/.jaxrl-service-{i}.log 2>&1"], 120,
                                    env=env, workdir=workdir)

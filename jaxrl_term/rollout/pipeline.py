@@ -250,6 +250,8 @@ class RolloutPipeline:
     async def _episode(self, task: Task, seq: int, k: int) -> tuple[Trajectory, Any] | None:
         """One episode with retries: (trajectory, verifier result), or None when every attempt failed."""
         for attempt in range(self.max_retries + 1):
+            if task.id in self.needs_network:  # excluded: its verifier cannot run here; no retry can change that
+                break
             async with self._episode_sem:
                 self._episode_started()
                 try:
@@ -273,8 +275,8 @@ class RolloutPipeline:
                     self.counters[f"retry_{traj.end_reason}"] += 1
                     return None
                 # a verifier error is re-checked on a fresh sandbox of the task (outside the pool: this one is held)
-                result = await verify(task, sb, scoring=self.scoring, fresh=lambda: open_task_sandbox(
-                    task, backend=self.backend, builder=self.builder, **self.sandbox_limits))
+                # (a sandbox of the same task with this one's settings, pool defaults included: sb.reopen)
+                result = await verify(task, sb, scoring=self.scoring)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped
@@ -376,6 +378,9 @@ class RolloutPipeline:
         out.update({f"episode/end_{k}": v for k, v in self.end_reasons.items()})
         if hasattr(self.sampler, "take_metrics"):
             out.update(self.sampler.take_metrics())
+        engines = getattr(self.pool, "engines", None)
+        if engines is not None:  # per Docker engine: open sandboxes, creations, failures, latencies
+            out.update(engines.metrics())
         self.counters.clear()
         self.end_reasons.clear()
         return out

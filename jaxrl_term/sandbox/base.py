@@ -38,7 +38,7 @@ class SandboxLimits:
     memory_mb: int = 2048
     pids: int = 512
     network: bool = False  # attached to ``public_network`` (``Sandbox.set_network`` changes it per phase)
-    public_network: str = "bridge"  # the Docker network "public" means (one with the egress the run allows)
+    public_network: str = "jaxrl-public"  # the Docker network "public" means (one with the egress the run allows)
     task_network: str | None = None  # a compose environment's network, joined as service "main"
     workdir: str = "/app"
     max_output_bytes: int = 32768  # per command, head + tail
@@ -154,7 +154,7 @@ class SandboxPool:
     many are open, waiting, created and failed to start.
     """
 
-    def __init__(self, backend: str = "docker", max_concurrent: int = 16, **default_limits):
+    def __init__(self, backend: str = "docker", max_concurrent: int = 16, *, engines=None, **default_limits):
         import asyncio
 
         if max_concurrent < 1:
@@ -163,17 +163,33 @@ class SandboxPool:
         self.phase_overrides = {k: default_limits.pop(k) for k in ("agent_network", "verifier_network")
                                 if k in default_limits}
         self.backend, self.max_concurrent, self.default_limits = backend, max_concurrent, default_limits
+        self.engines = engines  # engines.EnginePool: sandboxes over several Docker engines (tasks/env.py places)
         self._sem = asyncio.Semaphore(max_concurrent)
         self.open = self.waiting = self.created = self.failed = 0
 
     @contextlib.asynccontextmanager
-    async def sandbox(self, image: str | None = None, *, labels: dict[str, str] | None = None,
-                      mounts: dict[str, str] | None = None, **limits):
+    async def slot(self):
+        """Hold one of the ``max_concurrent`` places (``sandbox(..., slot_held=True)`` then opens in it): what a
+        sandbox needs before it exists (a compose environment's services) is started inside the cap too."""
         self.waiting += 1
         try:
             await self._sem.acquire()
         finally:
             self.waiting -= 1
+        try:
+            yield
+        finally:
+            self._sem.release()
+
+    @contextlib.asynccontextmanager
+    async def sandbox(self, image: str | None = None, *, labels: dict[str, str] | None = None,
+                      mounts: dict[str, str] | None = None, slot_held: bool = False, **limits):
+        if not slot_held:
+            self.waiting += 1
+            try:
+                await self._sem.acquire()
+            finally:
+                self.waiting -= 1
         try:
             try:
                 cm = open_sandbox(self.backend, image, labels=labels, mounts=mounts,
@@ -190,4 +206,5 @@ class SandboxPool:
                 self.open -= 1
                 await cm.__aexit__(None, None, None)
         finally:
-            self._sem.release()
+            if not slot_held:
+                self._sem.release()

@@ -9,16 +9,18 @@ on the Docker SDK directly: one bridge network per sandbox (``internal`` when th
 services reach each other but nothing else), each service a container on it under its service name, started in
 ``depends_on`` order and waited for (``healthcheck`` -> healthy, else running), every one carrying the sandbox's
 owner labels so ``reap`` removes them with the agent's container. The agent's container joins the network as
-``main``.
+``main``. The network is always internal: services never reach outside (in Harbor they may); the agent's
+container reaches the outside only through the public network its phase is given (tasks/env.py).
 
 Supported per service: ``build`` (a context inside ``environment/``, optional ``dockerfile``), ``image`` (present
 on the engine: nothing is pulled), ``environment``, ``command``, ``entrypoint``, ``depends_on``, ``healthcheck``,
 ``working_dir``, ``user``, ``hostname``, ``expose``, ``labels``, ``restart`` (ignored: a sandbox lives minutes),
-``deploy.resources.limits`` (cpus, memory). ``main`` takes ``build``, ``image``, ``environment``,
+``deploy.resources.limits`` (cpus, memory). ``main`` takes ``build`` (context ``environment/`` itself),
+``image``, ``environment``,
 ``depends_on``, ``working_dir``, ``expose``, ``labels``, ``deploy``. Anything else (``ports``, ``volumes``,
 ``networks``, ``privileged``, ...) is refused with the file and key named. Values are interpolated as Compose
-does (``${VAR}``, ``${VAR:-default}``, ``$$``) from the task's ``[environment] env`` and this process's
-environment.
+does (``${VAR}``, ``${VAR:-default}``, ``$$``) from the task's ``[environment] env`` (never from the whole host
+environment) and Harbor's ``CPUS`` / ``MEMORY``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ SERVICE_KEYS = {"build", "image", "environment", "command", "entrypoint", "depen
                 "user", "hostname", "expose", "labels", "restart", "deploy"}
 MAIN_KEYS = {"build", "image", "environment", "depends_on", "working_dir", "expose", "labels", "deploy"}
 TOP_KEYS = {"services", "version", "name"}
-HEALTH_WAIT_S = 180.0
+HEALTH_WAIT_S = 180.0  # after a healthcheck's start_period
+PROJECT_LABEL = "jaxrl_term.compose"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +115,14 @@ def parse_compose(text: str, where: str) -> ComposeSpec:
             raise TaskFormatError(f"{where}: services.{name}.deploy: only resources.limits.cpus/memory are "
                                   f"supported, not {sorted(extra)}")
         b = spec.get("build")
-        if isinstance(b, dict) and set(b) - {"context", "dockerfile", "args"}:
-            raise TaskFormatError(f"{where}: services.{name}.build: only context, dockerfile and args are "
-                                  f"supported, not {sorted(set(b) - {'context', 'dockerfile', 'args'})}")
+        if isinstance(b, dict) and set(b) - {"context", "dockerfile"}:
+            raise TaskFormatError(f"{where}: services.{name}.build: only context and dockerfile are supported, not "
+                                  f"{sorted(set(b) - {'context', 'dockerfile'})}")
+        if name == MAIN and b:
+            ctx = b if isinstance(b, str) else b.get("context", ".")
+            if str(ctx).strip().removeprefix("./").rstrip("/") not in ("", "."):
+                raise TaskFormatError(f"{where}: services.main.build.context {ctx!r}: the agent's image is built "
+                                      "from environment/ itself; move its Dockerfile there")
         if name == MAIN:
             main = dict(spec)
         else:
@@ -225,9 +233,16 @@ class Project:
     client: Any
 
     async def close(self) -> None:
+        """Every container labelled with this project (also one whose creation was cancelled half-way), then
+        the network."""
         from jaxrl_term.sandbox.docker import _call
 
-        for c in self.containers:
+        try:
+            listed = await _call(self.client.containers.list, all=True, sparse=True,
+                                 filters={"label": f"{PROJECT_LABEL}={self.network}"})
+        except Exception:  # noqa: BLE001 - the engine is gone: the reaper catches the rest
+            listed = []
+        for c in {c.id: c for c in [*self.containers, *listed]}.values():
             try:
                 await _call(c.remove, force=True, v=True)
             except Exception:  # noqa: BLE001 - already gone (the reaper); nothing else to free
@@ -249,7 +264,8 @@ async def start(spec: ComposeSpec, *, files: Mapping[str, Any], dockerfile: str 
     import docker
 
     name = f"jaxrl-{uuid.uuid4().hex[:12]}"
-    net = await _call_net(cl, name, internal, labels)
+    await dk._call(cl.networks.create, name, driver="bridge", internal=internal, labels=dict(labels))
+    net = name
     project = Project(net, [], cl)
     try:
         for svc in spec.order():
@@ -266,7 +282,7 @@ async def start(spec: ComposeSpec, *, files: Mapping[str, Any], dockerfile: str 
                                        "and jaxrl_term never pulls; load or build it first, or give a 'build'") from e
             lim = ((s.get("deploy") or {}).get("resources") or {}).get("limits") or {}
             kwargs = dict(
-                detach=True, network=net, labels={**labels, "jaxrl_term.service": svc.name},
+                detach=True, network=net, labels={**labels, "jaxrl_term.service": svc.name, PROJECT_LABEL: net},
                 networking_config={net: cl.api.create_endpoint_config(aliases=[svc.name])},
                 environment=environment_of(s) or None, hostname=s.get("hostname") or svc.name,
                 nano_cpus=int(float(lim.get("cpus", limits.cpus)) * 1e9),
@@ -294,26 +310,20 @@ async def start(spec: ComposeSpec, *, files: Mapping[str, Any], dockerfile: str 
                                    f"{e.explanation or e}") from e
             project.containers.append(c)
             await dk._call(c.start)
-            await _wait_ready(c, svc.name, where, "healthcheck" in kwargs)
+            await _wait_ready(c, svc.name, where, "healthcheck" in kwargs,
+                              HEALTH_WAIT_S + kwargs.get("healthcheck", {}).get("start_period", 0) / 1e9)
         return project
     except BaseException:
         await project.close()
         raise
 
 
-async def _call_net(cl, name: str, internal: bool, labels: dict) -> str:
-    from jaxrl_term.sandbox.docker import _call
-
-    await _call(cl.networks.create, name, driver="bridge", internal=internal, labels=dict(labels))
-    return name
-
-
-async def _wait_ready(c, name: str, where: str, healthcheck: bool) -> None:
+async def _wait_ready(c, name: str, where: str, healthcheck: bool, wait_s: float) -> None:
     from jaxrl_term.sandbox.base import SandboxError
     from jaxrl_term.sandbox.docker import _call
 
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + HEALTH_WAIT_S
+    deadline = loop.time() + wait_s
     while True:
         await _call(c.reload)
         st = c.attrs.get("State") or {}
@@ -327,5 +337,5 @@ async def _wait_ready(c, name: str, where: str, healthcheck: bool) -> None:
         if health == "unhealthy":
             raise SandboxError(f"{where}: services.{name} is unhealthy (its healthcheck failed)")
         if loop.time() > deadline:
-            raise SandboxError(f"{where}: services.{name} not ready after {HEALTH_WAIT_S:.0f}s (health {health})")
+            raise SandboxError(f"{where}: services.{name} not ready after {wait_s:.0f}s (health {health})")
         await asyncio.sleep(0.2)

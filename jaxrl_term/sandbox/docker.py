@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import io
 import logging
@@ -47,19 +48,33 @@ LABEL_PID = "jaxrl_term.pid"
 LABEL_PID_START = "jaxrl_term.pid_start"
 RUN_ID = os.environ.get("JAXRL_TERM_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 DROPPED_CAPS = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"]
+# The default "public" network: a bridge made on first use with inter-container traffic off (one sandbox cannot
+# reach another's services); egress as the engine's host allows. Name your own with sandbox.public_network.
+PUBLIC_NETWORK = "jaxrl-public"
 
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="jaxrl-docker")
 
 
-@functools.lru_cache(maxsize=1)
 def client():
+    """The current engine's client (``engines.EnginePool.place`` sets it for a sandbox's life), else the
+    default engine's (``DOCKER_HOST`` / the local socket)."""
+    from jaxrl_term.sandbox.engines import CURRENT
+
+    engine = CURRENT.get()
+    return engine.client() if engine is not None else default_client()
+
+
+@functools.lru_cache(maxsize=1)
+def default_client():
     import docker
 
     return docker.from_env(timeout=300, max_pool_size=128)
 
 
 async def _call(fn, *args, **kwargs):
-    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args, **kwargs))
+    # in the caller's context: what runs in the thread sees the same current engine
+    ctx = contextvars.copy_context()
+    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(ctx.run, fn, *args, **kwargs))
 
 
 def _read(path: str) -> str:
@@ -149,20 +164,27 @@ def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> 
     return removed
 
 
-_reaped_at_startup = False
+_reaped_at_startup: set[str] = set()  # engines reaped by this process
 _quota: bool | None = None
 
 
-def _reap_own() -> None:
+def _reap_own(cl=None) -> None:
     """At interpreter exit: remove what this process still owns (a normal exit or an unwound SIGTERM closes its
     sandboxes already; this catches what an exception path skipped)."""
     try:
+        cl = cl or default_client()
         mine = {LABEL_MACHINE: machine_id(), LABEL_PID: str(os.getpid())}
-        for c in client().containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in mine.items()]},
-                                          sparse=True):
-            c.remove(force=True, v=True)
-        for net in client().networks.list(filters={"label": [f"{k}={v}" for k, v in mine.items()]}):
-            net.remove()
+        for c in cl.containers.list(all=True, filters={"label": [f"{k}={v}" for k, v in mine.items()]},
+                                    sparse=True):
+            try:
+                c.remove(force=True, v=True)
+            except Exception:  # noqa: BLE001 - one that is already gone does not stop the rest
+                pass
+        for net in cl.networks.list(filters={"label": [f"{k}={v}" for k, v in mine.items()]}):
+            try:
+                net.remove()
+            except Exception:  # noqa: BLE001
+                pass
     except Exception:  # noqa: BLE001 - best effort at exit: the next start-up's reap catches the rest
         pass
 
@@ -186,6 +208,24 @@ def _storage_quota_supported() -> bool:
             log.info("sandbox disk quota unavailable on this Docker engine (storage driver %s): containers can "
                      "fill the engine's disk; use overlay2 on xfs (pquota) to enforce sandbox.disk_gb", driver)
     return _quota
+
+
+def ensure_public_network(name: str, cl=None) -> None:
+    """``PUBLIC_NETWORK`` is created when missing (inter-container traffic off); any other name must exist."""
+    import docker
+
+    cl = cl or client()
+    try:
+        cl.networks.get(name)
+    except docker.errors.NotFound:
+        if name != PUBLIC_NETWORK:
+            raise SandboxError(f"sandbox.public_network={name!r}: no such Docker network; create it or use "
+                               f"{PUBLIC_NETWORK!r} (made for you)") from None
+        try:
+            cl.networks.create(name, driver="bridge", options={"com.docker.network.bridge.enable_icc": "false"})
+        except docker.errors.APIError as e:  # made meanwhile by another process
+            if "already exists" not in str(e):
+                raise
 
 
 def docker_errors():
@@ -223,8 +263,8 @@ class DockerExecTransport:
 
     @classmethod
     async def open(cls, container_id: str, workdir: str | None, env: dict[str, str], argv: list[str] | None = None,
-                   sealed: bool = False):
-        api = client().api
+                   sealed: bool = False, cl=None):
+        api = (cl or client()).api
         exec_id = (await _call(
             api.exec_create, container_id, argv or ["bash", "--noprofile", "--norc"], stdin=True, stdout=True,
             stderr=True, tty=False, workdir=workdir, environment=env or None,
@@ -275,14 +315,18 @@ class DockerSandbox:
     async def create(cls, image: str, limits: SandboxLimits, *, labels: dict[str, str] | None = None,
                      mounts: dict[str, str] | None = None) -> DockerSandbox:
         """``mounts``: extra named volumes mounted read-only, volume name -> path in the container."""
-        global _reaped_at_startup
-        if not _reaped_at_startup:
-            _reaped_at_startup = True
-            await _call(reap)
+        from jaxrl_term.sandbox.engines import CURRENT
+
+        engine = CURRENT.get()
+        where = engine.name if engine is not None else ""
+        if where not in _reaped_at_startup:  # once per engine: what killed runs left there
+            _reaped_at_startup.add(where)
+            await _call(reap, client_=client())
             import atexit
 
-            atexit.register(_reap_own)
+            atexit.register(_reap_own, client())
         all_labels = {LABEL_TRAJ: uuid.uuid4().hex[:16], **owner_labels(), **(labels or {})}
+        engine_client = client()
         import docker
 
         from jaxrl_term.sandbox import toolkit
@@ -311,6 +355,8 @@ class DockerSandbox:
             cap_drop=list(DROPPED_CAPS),
             security_opt=["no-new-privileges"],
         )
+        if limits.network:
+            await _call(ensure_public_network, limits.public_network, client())
         if limits.task_network:  # a compose environment: the agent's container is its service "main"
             run_kwargs.update(network=limits.task_network, networking_config={
                 limits.task_network: client().api.create_endpoint_config(aliases=["main"])})
@@ -318,10 +364,19 @@ class DockerSandbox:
             run_kwargs["network_mode"] = limits.public_network if limits.network else "none"
         if limits.disk_gb and _storage_quota_supported():
             run_kwargs["storage_opt"] = {"size": f"{limits.disk_gb}G"}
+        import time as _time
+
+        t_create = _time.monotonic()
         try:
             container = await _call(client().containers.run, image, [toolkit.PAUSE], **run_kwargs)
         except docker.errors.APIError as e:
             raise SandboxError(f"cannot start a container from {image!r}: {e.explanation or e}") from e
+        from jaxrl_term.sandbox.engines import CURRENT
+
+        engine = CURRENT.get()
+        if engine is not None:  # per-engine metrics (engines.py)
+            engine.created += 1
+            engine.create_s += _time.monotonic() - t_create
 
         from jaxrl_term.sandbox import shell as shell_mod
 
@@ -332,7 +387,8 @@ class DockerSandbox:
             # toolkit.SOCKIN fills from the exec's pipe: a process holding its stdin cannot write a command into it
             return await DockerExecTransport.open(container.id, limits.workdir,
                                                   {**dict(limits.env), "LD_PRELOAD": toolkit.NODUMP},
-                                                  [toolkit.SOCKIN, toolkit.BASH_PATHS, *shell_argv], sealed=True)
+                                                  [toolkit.SOCKIN, toolkit.BASH_PATHS, *shell_argv], sealed=True,
+                                                  cl=engine_client)
 
         async def signal_command(shell_pid: int, start: tuple[int, int], sig: str) -> None:
             # Retried: with every pid taken (a fork bomb) the exec itself may fail to start at first.
@@ -374,6 +430,8 @@ class DockerSandbox:
         shell = PersistentShell(spawn, signal_command, workdir=limits.workdir, max_output_bytes=limits.max_output_bytes,
                                 recover=recover, kill_tree=kill_tree, pid_pressure=pid_pressure)
         sb = cls(container, limits, shell)
+        sb.client = engine_client  # its engine's, for the sandbox's whole life (whatever the caller's context later)
+        sb.engine = engine
         sb._online = limits.network and not limits.task_network
         try:
             if limits.task_network and limits.network:
@@ -386,7 +444,12 @@ class DockerSandbox:
 
     # -- protocol ---------------------------------------------------------------------------------
     async def run(self, command: str, timeout_s: float = 30.0) -> CommandResult:
-        return await self.shell.run(command, timeout_s)
+        res = await self.shell.run(command, timeout_s)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.commands += 1
+            engine.command_s += res.duration_s
+        return res
 
     async def exec(self, argv: list[str], timeout_s: float = 60.0, *, env: dict[str, str] | None = None,
                    workdir: str | None = None, stdin: bytes | None = None) -> CommandResult:
@@ -413,7 +476,7 @@ class DockerSandbox:
 
     async def _exec_stdin(self, argv, environment, workdir, data: bytes, cap, timeout_s: float) -> int | None:
         """exec with ``data`` on the process's stdin (then EOF), output demultiplexed into ``cap``."""
-        api = client().api
+        api = self.client.api
         exec_id = (await _call(api.exec_create, self.container.id, argv, stdin=True, stdout=True, stderr=True,
                                tty=False, workdir=workdir, environment=environment, user="root"))["Id"]
         sock = await _call(api.exec_start, exec_id, socket=True)
@@ -522,7 +585,9 @@ class DockerSandbox:
         if online and not self.limits.network and not self.limits.task_network:
             raise SandboxError("this sandbox was opened without network (network=False): it cannot be given one "
                                "later; open it with network=True and detach it for the offline phases")
-        net = await _call(client().networks.get, self.limits.public_network)
+        if online:
+            await _call(ensure_public_network, self.limits.public_network, self.client)
+        net = await _call(self.client.networks.get, self.limits.public_network)
         try:
             await _call(net.connect if online else net.disconnect, self.container)
         except docker_errors().APIError as e:
@@ -547,9 +612,29 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("reap", help="remove sandbox containers left behind by dead runs")
     r.add_argument("--all", action="store_true", help="remove every jaxrl_term container, live runs included")
     r.add_argument("--run", default=None, help="remove one run's containers")
+    r.add_argument("--host", action="append", default=[],
+                   help="a Docker engine URL (unix://, tcp://, ssh://) to reap too; repeatable")
+    r.add_argument("--all-hosts", action="store_true",
+                   help="every engine of sandbox.docker.hosts in the composed config (plus the default engine); "
+                        "pass the same overrides as the run after --, e.g. -- +experiment=qwen32b_h100")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides for --all-hosts")
     args = ap.parse_args(argv)
+    urls = list(args.host)
+    if args.all_hosts:
+        from jaxrl_term.plan import compose
+
+        cfg = compose(args.overrides)
+        urls += [str(h["url"]) for h in cfg.sandbox.docker.hosts]
     n = reap(all_runs=args.all, run_id=args.run)
-    print(f"removed {n} container(s)")
+    print(f"default engine: removed {n} container(s)")
+    from jaxrl_term.sandbox.engines import Engine, HostCfg
+
+    for url in dict.fromkeys(urls):
+        try:
+            m = reap(all_runs=args.all, run_id=args.run, client_=Engine(HostCfg(url=url)).client())
+            print(f"{url}: removed {m} container(s)")
+        except Exception as e:  # noqa: BLE001 - one engine down does not stop the others
+            print(f"{url}: not reaped ({type(e).__name__}: {e})")
     return 0
 
 

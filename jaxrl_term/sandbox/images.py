@@ -242,8 +242,9 @@ def _build_context(dockerfile: str, files: dict[str, bytes]) -> io.BytesIO:
 
 
 def build_base_image(client, spec: BaseImage, *, mirror: str | None = None, ca_bundle: Path | None = None,
-                     force: bool = False) -> tuple[str, bool]:
-    """Build ``spec`` unless an image with the same recipe exists. Returns (name, built)."""
+                     force: bool = False, host: str | None = None) -> tuple[str, bool]:
+    """Build ``spec`` unless an image with the same recipe exists. Returns (name, built). ``host``: the engine's
+    URL when ``client`` is not the default engine's (the rootfs import goes through the CLI)."""
     mirror = mirror or apt_mirror()
     digest = recipe_hash(spec, mirror, ca_bundle)
     if not force and _image_recipe(client, spec.name) == digest:
@@ -273,7 +274,7 @@ def build_base_image(client, spec: BaseImage, *, mirror: str | None = None, ca_b
         (root / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         assert tar.stdout is not None
-        _docker_import(tar.stdout, rootfs_tag)
+        _docker_import(tar.stdout, rootfs_tag, host)
         tar.wait()
     lines = [f"FROM {rootfs_tag}"]
     files: dict[str, bytes] = {}
@@ -297,12 +298,13 @@ def build_base_image(client, spec: BaseImage, *, mirror: str | None = None, ca_b
     return spec.name, True
 
 
-def _docker_import(stream, tag: str) -> None:
+def _docker_import(stream, tag: str, host: str | None = None) -> None:
     """``docker import`` from a tar stream (the CLI streams; the SDK would buffer the whole rootfs)."""
     docker_cli = shutil.which("docker")
     if docker_cli is None:
         raise DockerUnavailable("the docker CLI is not on PATH (apt-get install docker.io)")
-    proc = subprocess.run([docker_cli, "import", "-", tag], stdin=stream, capture_output=True, text=True)
+    proc = subprocess.run([docker_cli, *(["-H", host] if host else []), "import", "-", tag], stdin=stream,
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"docker import {tag} failed: {proc.stderr.strip()}")
 
@@ -503,12 +505,20 @@ class ImageBuilder:
     async def ensure(self, dockerfile: str, files: ContextFiles | None = None, timeout_s: float = 1800) -> str:
         import asyncio
 
+        from jaxrl_term.sandbox.engines import CURRENT
+
+        engine = CURRENT.get()  # several engines: built on the one the sandbox is placed on (engines.py)
         key = hashlib.sha256(dockerfile.encode() + repr(sorted((files or {}).items())).encode()).hexdigest()
         locks, sem = self._per_loop.setdefault(asyncio.get_running_loop(),
                                                ({}, asyncio.Semaphore(self._max_parallel_builds)))
-        lock = locks.setdefault(key, asyncio.Lock())
+        lock = locks.setdefault((engine.name if engine else "", key), asyncio.Lock())
         async with lock, sem:
-            client = docker_client()
+            if engine is not None:
+                client = engine.client()
+                if not engine.bases_ready:  # a new engine: the base images its task images start FROM
+                    await asyncio.to_thread(engine.pool.copy_base_images, engine)
+            else:
+                client = docker_client()
             tag, built = await asyncio.to_thread(build_task_image, client, dockerfile, files,
                                                  image_map=self.image_map, ca_bundle=self.ca_bundle,
                                                  timeout_s=timeout_s)

@@ -436,27 +436,31 @@ def prune(*, all_images: bool = False, min_age_s: float = 3600.0) -> int:
 
 START_ENV = {"LC_ALL": "C"}  # the pristine interpreter's start-up: no locale files (see the module's docstring)
 
-_ready: dict[str, Toolchain] = {}  # image id -> toolchain, per process
+_ready: dict[tuple[str, str], Toolchain] = {}  # (engine, image id) -> toolchain, per process
 _locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # event loop -> image id -> lock
-_pruned = False
+_pruned: set[str] = set()  # engines pruned by this process
 
 
 async def for_image(image: str) -> Toolchain:
     """The toolchain of a Docker image (tag or id): its volume made on first use, cached by image id."""
     from jaxrl_term.sandbox.docker import _call, client
 
-    global _pruned
+    from jaxrl_term.sandbox.engines import CURRENT
+
+    engine = CURRENT.get()
+    where = engine.name if engine is not None else ""  # a volume per engine (the same image id on each)
     image_id = (await _call(client().images.get, image)).id
-    if image_id in _ready:
-        return _ready[image_id]
-    if not _pruned:  # once per process: volumes of older toolchain versions and of deleted images
-        _pruned = True
+    key = (where, image_id)
+    if key in _ready:
+        return _ready[key]
+    if where not in _pruned:  # once per process and engine: volumes of older toolchains and of deleted images
+        _pruned.add(where)
         await _call(prune)
-    lock = _locks.setdefault(asyncio.get_running_loop(), {}).setdefault(image_id, asyncio.Lock())
+    lock = _locks.setdefault(asyncio.get_running_loop(), {}).setdefault(key, asyncio.Lock())
     async with lock:
-        if image_id not in _ready:
-            _ready[image_id] = await _call(_ensure, image_id)
-    return _ready[image_id]
+        if key not in _ready:
+            _ready[key] = await _call(_ensure, image_id)
+    return _ready[key]
 
 
 # --------------------------------------------------------------------------------------------- local

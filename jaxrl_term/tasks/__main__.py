@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     for phase in ("agent", "verifier"):
         ck.add_argument(f"--{phase}-network", choices=["task", "none", "public"], default="task",
                         help=f"the {phase} phase's network: the task's own policy (default), never, or always")
-    ck.add_argument("--public-network", default="bridge", help="the Docker network 'public' means")
+    ck.add_argument("--public-network", default="jaxrl-public", help="the Docker network 'public' means")
     ck.add_argument("--network-preflight", action="store_true",
                     help="with --agent oracle: run each task's verifier offline first; report those that pass only "
                          "online as 'verifier needs network'")

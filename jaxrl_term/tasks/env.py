@@ -26,6 +26,18 @@ async def image_for(task: Task, builder) -> str:
     return env.image
 
 
+def recipe_key(task: Task) -> str:
+    """What makes a task's image (its Dockerfile and context, or its image name): placement prefers an engine
+    that has it."""
+    import hashlib
+
+    env = task.environment
+    h = hashlib.sha256((env.dockerfile or env.image or "").encode())
+    for k, v in sorted(env.files.items()):
+        h.update(k.encode() + v.data)
+    return h.hexdigest()[:16]
+
+
 NETWORK_OVERRIDES = ("task", "none", "public")  # sandbox.agent_network / sandbox.verifier_network
 PHASE_KEYS = ("agent_network", "verifier_network")
 
@@ -60,8 +72,13 @@ def task_problems(tasks, limits: dict, backend: str) -> list[str]:
         except (TaskFormatError, ValueError) as e:
             out.append(str(e))
             continue
+        online = [ph for ph, p in phases.items() if p.online]
         if backend == "local" and t.environment.compose:
             out.append(f"task {t.id}: a compose environment needs sandbox=docker")
+        elif backend == "local" and online and limits.get(f"{online[0]}_network") != "public":
+            out.append(f"task {t.id}: its {online[0]} phase asks for network, and on the local backend that is the "
+                       "host's own network (its services on localhost included); set "
+                       f"sandbox.{online[0]}_network=none, or =public to accept that")
         elif backend == "local" and phases["agent"].online != phases["verifier"].online:
             out.append(f"task {t.id}: its agent phase has {'' if phases['agent'].online else 'no '}network and its "
                        f"verifier phase {'has' if phases['verifier'].online else 'has none'}: the local backend "
@@ -86,7 +103,7 @@ def _limits(task: Task, limits: dict, phases: dict[str, NetworkPolicy]) -> dict:
         out["cpus"] = env.cpus
     if env.memory_mb is not None:
         out["memory_mb"] = env.memory_mb
-    if env.storage_mb is not None and out.get("disk_gb") is None:
+    if env.storage_mb is not None:  # Harbor's storage_mb, as cpus and memory: the task's own value
         out["disk_gb"] = env.storage_mb / 1024
     # attached at creation when any phase needs the network (a container made without one cannot get one later)
     out["network"] = any(p.online for p in phases.values())
@@ -104,6 +121,7 @@ async def open_task_sandbox(
     builder=None,
     pool: SandboxPool | None = None,
     labels: dict[str, str] | None = None,
+    engines=None,
     **limits,
 ) -> AsyncIterator[Sandbox]:
     """``async with open_task_sandbox(task, builder=ImageBuilder()) as sb`` -> a sandbox in the task's initial
@@ -116,36 +134,53 @@ async def open_task_sandbox(
     ``sb.phase_network`` holds each phase's answer and the verifier switches to its own (``Sandbox.set_network``).
     The task's ``[environment] env`` is resolved from this process's environment (``${VAR}``) and set in the
     sandbox; ``[environment] healthcheck`` must pass before this returns."""
-    overrides = {k: limits.get(k, getattr(pool, "phase_overrides", {}).get(k, "task")) for k in PHASE_KEYS}
+    if "network" in limits:
+        raise TypeError("open_task_sandbox(network=...) was replaced by agent_network= / verifier_network= "
+                        "(task | none | public): the network is decided per phase")
+    if pool is not None:  # the pool's settings, then the caller's: the same for this sandbox and sb.reopen
+        limits = {**pool.default_limits, **pool.phase_overrides, **limits}
+    overrides = {k: limits.get(k, "task") for k in PHASE_KEYS}
     phases = phase_policies(task, overrides["agent_network"], overrides["verifier_network"])
+    if backend == "local":
+        problems = task_problems([task], limits, backend)
+        if problems:
+            raise SandboxError(problems[0])
     lim = _limits(task, limits, phases)
     labels = {"jaxrl_term.task": task.id[:63], **(labels or {})}
     env = task.environment
+    engines = engines if engines is not None else getattr(pool, "engines", None)
     async with contextlib.AsyncExitStack() as stack:
         mounts = None
+        if backend == "docker" and engines is not None:  # several engines: this sandbox's, for its whole life
+            if pool is not None:  # the run's cap first, then a place on an engine
+                await stack.enter_async_context(pool.slot())
+            engine = await stack.enter_async_context(engines.place(prefer=recipe_key(task)))
+            labels = {**labels, "jaxrl_term.engine": engine.name[:63]}
         if backend == "docker":
             if builder is None:
                 from jaxrl_term.sandbox.images import ImageBuilder
 
                 builder = ImageBuilder()
             image = await image_for(task, builder)
+            if engines is not None:
+                engine.images.add(recipe_key(task))
             # the verifier's own python, copied from the pristine image (made once per image, before any agent runs)
             tc = await toolchain.for_image(image)
             mounts = {tc.volume: toolchain.MOUNT} if tc.volume else None
             if env.compose:
+                if pool is not None and engines is None:  # the services count against the cap with their sandbox
+                    await stack.enter_async_context(pool.slot())
                 lim = await _start_compose(task, builder, lim, labels, stack)
         else:
             image = None
-            if env.compose:
-                raise SandboxError(f"task {task.id}: a compose environment (environment/docker-compose.yaml) needs "
-                                   "sandbox=docker")
-        cm = (pool.sandbox(image, labels=labels, mounts=mounts, **lim) if pool
+        held = backend == "docker" and (bool(env.compose) or engines is not None)
+        cm = (pool.sandbox(image, labels=labels, mounts=mounts, slot_held=held, **lim) if pool
               else open_sandbox(backend, image, labels=labels, mounts=mounts, **lim))
         sb = await stack.enter_async_context(cm)
         sb.phase_network = {phase: p.online for phase, p in phases.items()}
         # a fresh sandbox of the same task with the same settings (the verifier's sabotage / network checks)
         sb.reopen = functools.partial(open_task_sandbox, task, backend=backend, builder=builder, labels=labels,
-                                      **limits)
+                                      engines=engines, **limits)
         if lim["network"] and not phases["agent"].online:
             await sb.set_network(False)  # the verifier phase gets it back; the agent never sees it
         if backend == "local":
@@ -164,9 +199,10 @@ async def _start_compose(task: Task, builder, lim: dict, labels: dict, stack) ->
     env = task.environment
     where = f"task {task.id}: environment/docker-compose.yaml"
     spec = compose.parse_compose(env.compose, where)
-    import os
 
-    variables = {**os.environ, **dict(lim.get("env") or ()), "CPUS": str(lim.get("cpus", 1)),
+    # interpolation from the task's own [environment] env (itself resolved from named host variables) and
+    # Harbor's compose variables: never the whole host environment (a task file must not read the trainer's keys)
+    variables = {**dict(lim.get("env") or ()), "CPUS": str(lim.get("cpus", 1)),
                  "MEMORY": f"{lim.get('memory_mb', 2048)}M"}
     base = SandboxLimits(**{k: v for k, v in lim.items() if k in SandboxLimits.__dataclass_fields__})
     project = await compose.start(spec, files=env.files, dockerfile=env.dockerfile, builder=builder,

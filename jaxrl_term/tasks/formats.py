@@ -218,6 +218,8 @@ def load_harbor_task(d: Path) -> Task:
     if unknown:
         raise TaskFormatError(f"{where}: {unknown[0]!r} is not a field of Harbor's task model (known: "
                               f"{sorted(HARBOR_TOP)})")
+    if not isinstance(cfg.get("metadata", {}), dict):
+        raise TaskFormatError(f"{where}: [metadata] must be a table")
     meta = dict(_table(cfg, "metadata", where, set(cfg.get("metadata") or {})))
     ver = _table(cfg, "verifier", where, HARBOR_VERIFIER)
     agent = _table(cfg, "agent", where, HARBOR_AGENT)
@@ -489,8 +491,8 @@ def load_parquet(path: Path, *, skip_bad: bool = False, errors: list | None = No
             sol = Solution(_files_from_list(r["solution_files"]), r["solution_entry"]) if r["solution_entry"] else None
             tasks.append(Task(r["id"], r["instruction"], env, tests, sol, r["agent_timeout_s"], r["test_timeout_s"],
                               json.loads(r["metadata"] or "{}"), **task_kw))
-        except (TaskFormatError, json.JSONDecodeError, TypeError) as e:
-            err = TaskFormatError(f"{path}: row {i} ({r.get('id')}): {e}")
+        except (TaskFormatError, json.JSONDecodeError, TypeError, KeyError) as e:
+            err = TaskFormatError(f"{path}: row {i} ({r.get('id')}): {type(e).__name__ + ': ' if isinstance(e, KeyError) else ''}{e}")
             if not skip_bad:
                 raise err from e
             _record(errors, err)
