@@ -19,10 +19,17 @@ DEFAULT = "unix:///var/run/docker.sock"
 @pytest.fixture
 def second_engine(docker_client):
     need(shutil.which("dockerd") is not None and os.geteuid() == 0, "a second Docker daemon needs dockerd and root")
+    import subprocess
+
     from jaxrl_term.sandbox.engines import local_daemon
 
+    def bridge():  # the first engine's default bridge: a second daemon must leave it alone
+        return subprocess.run(["ip", "-4", "addr", "show", "docker0"], capture_output=True, text=True).stdout
+
+    before = bridge()
     with local_daemon() as state:
         yield state
+    assert bridge() == before, "the second Docker daemon changed the first one's docker0"
 
 
 def test_placement_least_loaded_image_preferred_capacity_and_cool_down():

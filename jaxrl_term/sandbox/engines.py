@@ -217,8 +217,9 @@ def ensure_base_image(engine_client: Any, name: str, peers: Sequence[Any]) -> bo
 
 @contextlib.contextmanager
 def local_daemon(root: str | None = None, wait_s: float = 90.0):
-    """A second Docker daemon on this machine (root only) on its own socket, data root and exec root, without a
-    default bridge or iptables rules: what tests and ``experiments/bench/sandbox_pool.py`` place sandboxes on.
+    """A second Docker daemon on this machine (root only) on its own socket, data root and exec root, in its own
+    network namespace, without a default bridge or iptables rules: what tests and
+    ``experiments/bench/sandbox_pool.py`` place sandboxes on.
     Yields ``{"url", "root", "proc"}``; ``restart(state)`` starts it again on the same data root."""
     import shutil
     import subprocess
@@ -253,7 +254,9 @@ def _start_daemon(root: str, wait_s: float):
 
     sock = f"{root}/docker.sock"
     with open(f"{root}/dockerd.log", "ab") as log_file:
-        proc = subprocess.Popen(["dockerd", "--host", f"unix://{sock}", "--data-root", f"{root}/data",
+        # in its own network namespace: a second daemon in the host's would delete or reconfigure the first one's
+        # docker0 (with --bridge none it removes it); the socket is a file, reachable from here all the same
+        proc = subprocess.Popen(["unshare", "--net", "dockerd", "--host", f"unix://{sock}", "--data-root", f"{root}/data",
                                  "--exec-root", f"{root}/exec", "--pidfile", f"{root}/docker.pid", "--bridge", "none",
                                  "--iptables=false"], stdout=log_file, stderr=subprocess.STDOUT,
                                 start_new_session=True)
