@@ -622,14 +622,22 @@ class Trainer:
             self.launcher.stop()
 
 
-def print_summary(summary: dict) -> None:
+def print_summary(summary: dict, log_file: Path | None = None) -> None:
+    """The run's summary table (and its report's path) on the console, and the same text in ``log_file``
+    (the run's train.log: it holds every console line, not only the logging ones)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="jaxrl_term run summary", show_header=False)
     for k, v in summary.items():
         table.add_row(k, str(v))
-    Console().print(table)
+    console = Console(record=True)
+    console.print(table)
+    if "report" in summary:
+        console.print(f"report: {summary['report']}", markup=False, highlight=False)
+    if log_file is not None and log_file.parent.is_dir():
+        with open(log_file, "a") as f:
+            f.write(console.export_text())
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
@@ -659,9 +667,7 @@ def main(cfg: Config) -> None:
             from jaxrl_term.report import write_report
 
             write_report(cfg.run_dir)
-        print_summary(summary)
-        if "report" in summary:
-            print(f"report: {summary['report']}")
+        print_summary(summary, Path(cfg.run_dir) / "train.log")
 
 
 HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--resolve",

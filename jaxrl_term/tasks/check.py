@@ -149,6 +149,7 @@ def summary(results: Sequence[CheckResult]) -> dict:
 
 def print_table(results: Sequence[CheckResult]) -> None:
     from rich.console import Console
+    from rich.markup import escape  # reasons quote task.toml sections ("[verifier] ..."): text, not markup
     from rich.table import Table
 
     table = Table(title=f"check --agent {results[0].agent if results else '?'}")
@@ -159,7 +160,7 @@ def print_table(results: Sequence[CheckResult]) -> None:
         # no per-test results (a Harbor test.sh reports only its reward): "-", not "0/0"
         table.add_row(r.task_id, "-" if r.score is None else f"{r.score:.3f}", r.outcome,
                       f"{npass}/{len(r.passed)}" if r.passed else "-", f"{r.duration_s:.1f}",
-                      "[red]BROKEN[/red] " + r.reason if r.broken else "[green]ok[/green]")
+                      "[red]BROKEN[/red] " + escape(r.reason) if r.broken else "[green]ok[/green]")
     Console().print(table)
 
 
