@@ -100,19 +100,21 @@ class SandboxCfg:
     docker: DockerEnginesCfg = field(default_factory=DockerEnginesCfg)
 
     def engines(self):
-        """An ``EnginePool`` over ``docker.hosts``, or None for the one default engine."""
+        """The ``EnginePool`` over ``docker.hosts`` (one per process for the same hosts: rollouts and an in-training
+        evaluation share the engines' capacity and health), or None for the one default engine."""
         if not self.docker.hosts:
             return None
-        from jaxrl_term.sandbox.engines import EnginePool
+        from jaxrl_term.sandbox.engines import shared_pool
 
-        return EnginePool([dict(h) for h in self.docker.hosts], cooldown_s=self.docker.cooldown_s)
+        return shared_pool([dict(h) if isinstance(h, dict) else h for h in self.docker.hosts],
+                           cooldown_s=self.docker.cooldown_s)
 
     def limits(self) -> dict[str, Any]:
         """Keyword arguments for ``open_sandbox`` / ``SandboxPool``."""
         out = dict(cpus=self.cpus, memory_mb=self.memory_mb, pids=self.pids, agent_network=self.agent_network,
                    verifier_network=self.verifier_network, public_network=self.public_network,
                    workdir=self.workdir, max_output_bytes=self.max_output_bytes)
-        if self.docker.hosts and self.backend != "local":  # one EnginePool per call: one per run / evaluation
+        if self.docker.hosts and self.backend != "local":  # the process's one EnginePool for these hosts
             out["engines"] = self.engines()
         return out
 
@@ -575,6 +577,18 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
     for key in ("agent_network", "verifier_network"):
         if cfg.sandbox.get(key, "task") not in ("task", "none", "public"):
             bad(f"sandbox.{key}", f"{cfg.sandbox[key]!r}", "use task (each task's own policy), none or public")
+    hosts = cfg.sandbox.get("docker", {}).get("hosts") or []
+    if hosts:  # several Docker engines: every entry checked before anything connects (sandbox/engines.py)
+        from omegaconf import OmegaConf
+
+        from jaxrl_term.sandbox.engines import EnginePool
+
+        try:
+            EnginePool(OmegaConf.to_container(hosts, resolve=True) if OmegaConf.is_config(hosts) else list(hosts),
+                       cooldown_s=float(cfg.sandbox.docker.get("cooldown_s", 60.0)))
+        except (ValueError, TypeError) as e:
+            bad("sandbox.docker.hosts", str(e), "each entry: {url: unix://...|tcp://host:port|ssh://user@host, "
+                "capacity: N, name, tls_verify, ca_cert, client_cert, client_key}")
     if cfg.reward.scoring not in ("weighted", "binary"):
         bad("reward.scoring", f"{cfg.reward.scoring!r}", "use weighted or binary")
     if cfg.reward.on_judge_missing not in ("renormalize", "wait"):

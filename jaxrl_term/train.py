@@ -77,12 +77,20 @@ def sandbox_backend(sb) -> tuple[str, object | None]:
 
         reap_local()
     if backend == "docker":
-        from jaxrl_term.sandbox.docker import reap
+        from jaxrl_term.sandbox.docker import RUN_ID, reap
+
+        log.info("sandbox containers carry run id %s (python -m jaxrl_term.sandbox.docker reap --run %s "
+                 "[--all-hosts -- ...] removes them)", RUN_ID, RUN_ID)
         from jaxrl_term.sandbox.images import DEFAULT_IMAGE_MAP, ImageBuilder
 
-        reap()
         obj = OmegaConf.to_object(sb) if OmegaConf.is_config(sb) else sb
         pool = obj.engines() if hasattr(obj, "engines") else None
+        try:
+            reap()
+        except Exception as e:  # noqa: BLE001 - with sandbox.docker.hosts the trainer's node may run no engine
+            if pool is None:
+                raise
+            log.info("no default Docker engine to reap on this node (%s); reaping sandbox.docker.hosts", e)
         for engine in (pool.engines if pool is not None else ()):
             try:  # every engine the run places sandboxes on: what killed runs left there
                 reap(client_=engine.client())

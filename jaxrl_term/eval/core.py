@@ -292,7 +292,7 @@ class Evaluator:
                                              enable_thinking=self.enable_thinking)
                     if not traj.valid:
                         return "invalid", traj.end_reason, traj.error or traj.end_reason
-                result = await verify(task, sb, scoring=self.scoring, fresh=fresh)
+                result = await verify(task, sb, scoring=self.scoring, fresh=getattr(sb, "reopen", None) or fresh)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the infrastructure broke: retried, then dropped

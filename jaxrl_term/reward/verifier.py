@@ -21,7 +21,9 @@ it reads back, any process the agent left running is a way to forge a result. Th
 
 5. A verifier error (the tests could not run or report) is re-checked on a fresh sandbox of the same task: if the
    verifier works there, the agent broke it: ``verifier_sabotaged`` (score 0); only if it fails there too is it a
-   ``verifier_error``.
+   ``verifier_error``. The fresh sandbox is on the same Docker engine (``sb.reopen``); a sandbox lost while its
+   engine stopped answering is a ``verifier_error`` without the check (infrastructure: an engine that comes back
+   would otherwise pass the check and read as sabotage).
 
 Outcomes: ``scored`` (score in [0, 1]); ``test_timeout`` (0, reason kept); ``tampered`` (0, the findings kept);
 ``verifier_sabotaged`` (0); ``verifier_error`` (score None: the trajectory is retried or dropped, never scored).
@@ -65,6 +67,7 @@ class VerifierResult:
     rewards: dict[str, float] = dataclasses.field(default_factory=dict)  # Harbor reward.json / reward.txt
     tamper: tuple[str, ...] = ()  # the tamper check's findings (outcome tampered)
     toolchain: str = ""  # "pristine", or which python ran the tests and why
+    engine_down: bool = False  # verifier_error because the sandbox's Docker engine died: never a sabotage check
 
     @property
     def ok(self) -> bool:
@@ -186,14 +189,24 @@ async def verify(task: Task, sandbox: Sandbox, *, scoring: str = "weighted", tim
     no check (a verifier error stays one)."""
     if scoring not in SCORING:
         raise ValueError(f"reward.scoring={scoring!r}; use one of {SCORING}")
-    res = await _verify(task, sandbox, scoring, timeout_s, workdir)
+    try:
+        res = await _verify(task, sandbox, scoring, timeout_s, workdir)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # an engine API call failed outside the sandbox's own error handling
+        answers = getattr(sandbox, "engine_answers", None)
+        if answers is None or await asyncio.to_thread(answers):
+            raise
+        return VerifierResult(None, {}, {}, "", 0.0, f"the sandbox's Docker engine stopped answering during "
+                                                     f"verification: {type(e).__name__}: {e}", "verifier_error",
+                              engine_down=True)
     online = (getattr(sandbox, "phase_network", None) or {}).get("verifier", False)
     key = (task.id, online, getattr(getattr(sandbox, "limits", None), "public_network", None))
     if key in _NEEDS_NETWORK:  # the whole task is out (its successes too: no selection among its episodes)
         return _needs_network(res, _NEEDS_NETWORK[key], online)
     evidence = network_evidence(res.output) if res.score is None or res.score < 1 else None
     confirm = evidence is not None and key not in _NETWORK_OK and fresh is not False
-    if (res.outcome != "verifier_error" and not confirm) or fresh is False:
+    if (res.outcome != "verifier_error" and not confirm) or fresh is False or res.engine_down:
         return res
     if fresh is None or fresh is True:
         from jaxrl_term.tasks.env import open_task_sandbox
@@ -295,6 +308,9 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
             return await _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result)
         return await _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result)
     except SandboxError as e:  # the sandbox broke under the verifier: checked on a fresh sandbox like any error
+        if getattr(e, "engine_down", False):  # unless its engine died: infrastructure, no check (module doc)
+            return result(None, "verifier_error", f"the sandbox's Docker engine stopped answering during "
+                                                  f"verification: {e}", engine_down=True)
         return result(None, "verifier_error", f"the sandbox failed during verification: {e}")
 
 

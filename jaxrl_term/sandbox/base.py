@@ -19,7 +19,10 @@ class SandboxError(RuntimeError):
 
 
 class SandboxLost(SandboxError):
-    """The sandbox cannot be used any more (its shell cannot be restarted, its container is gone)."""
+    """The sandbox cannot be used any more (its shell cannot be restarted, its container is gone).
+    ``engine_down``: its Docker engine stopped answering too (infrastructure: nothing the agent did)."""
+
+    engine_down: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

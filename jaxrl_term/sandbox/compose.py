@@ -275,7 +275,10 @@ async def start(spec: ComposeSpec, *, files: Mapping[str, Any], dockerfile: str 
                 image = await builder.ensure(text, ctx, timeout_s=build_timeout_s)
             else:
                 image = str(s["image"])
+                from jaxrl_term.tasks.env import ensure_on_engine
+
                 try:
+                    await ensure_on_engine(image)  # several engines: copied from a peer that has it
                     await dk._call(cl.images.get, image)
                 except docker.errors.ImageNotFound as e:
                     raise SandboxError(f"{where}: services.{svc.name}.image {image!r} is not on this Docker engine "

@@ -165,7 +165,7 @@ def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> 
 
 
 _reaped_at_startup: set[str] = set()  # engines reaped by this process
-_quota: bool | None = None
+_quota: dict[str, bool] = {}  # engine -> disk quota supported
 
 
 def _reap_own(cl=None) -> None:
@@ -189,25 +189,25 @@ def _reap_own(cl=None) -> None:
         pass
 
 
-def _storage_quota_supported() -> bool:
-    """Whether ``--storage-opt size=`` works on this engine (overlay2 on xfs with pquota, devicemapper, zfs,
-    btrfs); decided once from ``docker info``."""
-    global _quota
-    if _quota is None:
+def _storage_quota_supported(cl, key: str = "") -> bool:
+    """Whether ``--storage-opt size=`` works on the engine of ``cl`` (overlay2 on xfs with pquota, devicemapper,
+    zfs, btrfs); decided once per engine (``key``) from ``docker info``."""
+    if key not in _quota:
         driver = "unknown"
         try:
-            info = client().info()
+            info = cl.info()
             driver = info.get("Driver", "")
             status = dict(info.get("DriverStatus") or [])
             fs = status.get("Backing Filesystem", "")
-            _quota = driver in ("devicemapper", "zfs", "btrfs", "windowsfilter") or (driver == "overlay2" and
-                                                                                      fs == "xfs")
+            _quota[key] = driver in ("devicemapper", "zfs", "btrfs", "windowsfilter") or (driver == "overlay2" and
+                                                                                          fs == "xfs")
         except Exception:  # noqa: BLE001
-            _quota = False
-        if not _quota:
-            log.info("sandbox disk quota unavailable on this Docker engine (storage driver %s): containers can "
-                     "fill the engine's disk; use overlay2 on xfs (pquota) to enforce sandbox.disk_gb", driver)
-    return _quota
+            _quota[key] = False
+        if not _quota[key]:
+            log.info("sandbox disk quota unavailable on Docker engine %s (storage driver %s): containers can fill "
+                     "the engine's disk; use overlay2 on xfs (pquota) to enforce sandbox.disk_gb", key or "default",
+                     driver)
+    return _quota[key]
 
 
 def ensure_public_network(name: str, cl=None) -> None:
@@ -269,10 +269,7 @@ class DockerExecTransport:
             api.exec_create, container_id, argv or ["bash", "--noprofile", "--norc"], stdin=True, stdout=True,
             stderr=True, tty=False, workdir=workdir, environment=env or None,
         ))["Id"]
-        sock = await _call(api.exec_start, exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
-        raw.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=raw)
+        reader, writer, sock = await attach_exec(api, exec_id)
         return cls(reader, writer, sock, exec_id, sealed)
 
     async def write(self, data: bytes) -> None:
@@ -297,9 +294,124 @@ class DockerExecTransport:
         except Exception:  # noqa: BLE001 - closing a dead socket
             pass
         try:
-            self._sock.close()
+            aclose = getattr(self._sock, "aclose", None)
+            await aclose() if aclose is not None else self._sock.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def end_input(writer: asyncio.StreamWriter) -> None:
+    """EOF on an exec's stdin while its output is still read. asyncio's TLS transport has no half-close: there the
+    TCP socket's write side is shut after the data (what the Docker CLI's CloseWrite amounts to; dockerd ends the
+    process's stdin when its read of the connection ends), never a helper from the container's image in front
+    of the command (the verifier's runner takes its nonce on stdin: an image binary there would read it)."""
+    import socket as _socket
+
+    if writer.can_write_eof():
+        writer.write_eof()
+        return
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        raise SandboxError("cannot end an exec's stdin on this transport")
+    sock.shutdown(_socket.SHUT_WR)
+
+
+async def attach_exec(api, exec_id: str):
+    """Start exec ``exec_id`` attached: ``(reader, writer, closable)``, asyncio streams of its multiplexed output
+    and its stdin. ``unix://`` and plain ``tcp://``: docker-py's upgraded socket, adopted by asyncio. TLS
+    ``tcp://`` and ``ssh://``: their sockets (an ``SSLSocket``, an ssh client's pipes) cannot be adopted, so the
+    exec is started here: HTTP/1.1 upgrade over asyncio's own TLS connection (the client's CA and certificate), or
+    over ``ssh ... docker system dial-stdio`` (the command docker-py's ssh client runs)."""
+    if not (api.base_url.startswith("https://") or api.base_url == "http+docker://ssh"):
+        sock = await _call(api.exec_start, exec_id, socket=True)
+        raw = getattr(sock, "_sock", sock)
+        raw.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=raw)
+        return reader, writer, sock
+    import json
+    import ssl
+    import urllib.parse
+
+    path = api._url("/exec/{0}/start", exec_id)[len(api.base_url):]
+    proc = None
+    if api.base_url.startswith("https://"):
+        u = urllib.parse.urlsplit(api.base_url)
+        ctx = ssl.create_default_context(cafile=api.verify if isinstance(api.verify, str) else None)
+        if api.verify is False:
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        if api.cert:
+            ctx.load_cert_chain(*api.cert) if isinstance(api.cert, tuple) else ctx.load_cert_chain(api.cert)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port, ssl=ctx), 60)
+        host = u.netloc
+    else:
+        target = api._custom_adapter.ssh_host  # user@host:port, as docker-py's ssh client splits it
+        argv, user, port = ["ssh"], None, None
+        if "@" in target:
+            user, target = target.split("@", 1)
+        if ":" in target:
+            target, port = target.rsplit(":", 1)
+        argv += (["-l", user] if user else []) + (["-p", port] if port else []) + ["--", target,
+                                                                                    "docker system dial-stdio"]
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "SSL_CERT_FILE")}
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL, env=env,
+                                                    start_new_session=True)
+        reader, writer = proc.stdout, proc.stdin
+        host = "docker"
+    closable = _Closer(writer, proc)
+    try:
+        body = json.dumps({"Detach": False, "Tty": False}).encode()
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: jaxrl_term\r\n"
+                      f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+        await writer.drain()
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)).decode("latin-1")
+        status = int(head.split(" ", 2)[1])
+        if status not in (101, 200):
+            import docker
+
+            length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
+                           if line.lower().startswith("content-length:")), 0)
+            text = (await asyncio.wait_for(reader.read(length or 65536), 10)).decode(errors="replace").strip()
+            try:
+                text = json.loads(text).get("message", text)
+            except (ValueError, AttributeError):
+                pass
+            cls = docker.errors.NotFound if status == 404 else docker.errors.APIError
+            raise cls(f"exec start {exec_id[:12]}: {status} {text}")
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, OSError, ValueError,
+            IndexError) as e:  # the engine (or the ssh client) went away or answered nonsense: a sandbox error
+        closable.close()
+        raise SandboxError(f"exec start {exec_id[:12]} on {api.base_url}: {type(e).__name__}: {e}") from e
+    except BaseException:
+        closable.close()
+        raise
+    return reader, writer, closable
+
+
+class _Closer:
+    def __init__(self, writer, proc):
+        self.writer, self.proc = writer, proc
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except Exception:  # noqa: BLE001 - closing a dead stream
+            pass
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+
+    async def aclose(self) -> None:
+        self.close()
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), 5)  # reaped, its pipes' transports closed
+            except (asyncio.TimeoutError, ProcessLookupError):
+                pass
 
 
 class DockerSandbox:
@@ -318,7 +430,7 @@ class DockerSandbox:
         from jaxrl_term.sandbox.engines import CURRENT
 
         engine = CURRENT.get()
-        where = engine.name if engine is not None else ""
+        where = engine.url if engine is not None else ""  # by URL: two pools may both name an engine e0
         if where not in _reaped_at_startup:  # once per engine: what killed runs left there
             _reaped_at_startup.add(where)
             await _call(reap, client_=client())
@@ -362,7 +474,7 @@ class DockerSandbox:
                 limits.task_network: client().api.create_endpoint_config(aliases=["main"])})
         else:
             run_kwargs["network_mode"] = limits.public_network if limits.network else "none"
-        if limits.disk_gb and _storage_quota_supported():
+        if limits.disk_gb and await _call(_storage_quota_supported, engine_client, where):
             run_kwargs["storage_opt"] = {"size": f"{limits.disk_gb}G"}
         import time as _time
 
@@ -370,11 +482,11 @@ class DockerSandbox:
         try:
             container = await _call(client().containers.run, image, [toolkit.PAUSE], **run_kwargs)
         except docker.errors.APIError as e:
+            if engine is not None:  # refused creates in a row take an engine out of rotation (engines.py)
+                engine.failing += 1
             raise SandboxError(f"cannot start a container from {image!r}: {e.explanation or e}") from e
-        from jaxrl_term.sandbox.engines import CURRENT
-
-        engine = CURRENT.get()
         if engine is not None:  # per-engine metrics (engines.py)
+            engine.failing = 0
             engine.created += 1
             engine.create_s += _time.monotonic() - t_create
 
@@ -415,7 +527,10 @@ class DockerSandbox:
                 except docker_errors().APIError:
                     await asyncio.sleep(0.1 * (attempt + 1))
 
-        pids_file = await _call(_pids_current_file, container)
+        # this machine's /proc only knows the containers of an engine on this machine (a unix socket)
+        local_engine = engine.url.startswith("unix://") if engine is not None else \
+            engine_client.api.base_url == "http+docker://localhost"
+        pids_file = await _call(_pids_current_file, container) if local_engine else None
 
         # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
         pressure = PidPressure(limits.pids, lambda: int(pids_file.read_text()), [pids_file.with_name("pids.events")]) \
@@ -479,16 +594,12 @@ class DockerSandbox:
         api = self.client.api
         exec_id = (await _call(api.exec_create, self.container.id, argv, stdin=True, stdout=True, stderr=True,
                                tty=False, workdir=workdir, environment=environment, user="root"))["Id"]
-        sock = await _call(api.exec_start, exec_id, socket=True)
-        raw = getattr(sock, "_sock", sock)
-        raw.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=raw)
+        reader, writer, sock = await attach_exec(api, exec_id)
         t = DockerExecTransport(reader, writer, sock, exec_id)
         try:
             writer.write(data)
             await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
+            end_input(writer)
 
             async def pump():
                 while chunk := await t.read():
@@ -513,7 +624,34 @@ class DockerSandbox:
         except Exception as e:  # noqa: BLE001 - a container that cannot restart is lost
             from jaxrl_term.sandbox.base import SandboxLost
 
-            raise SandboxLost(f"could not restart container {self.container.short_id}: {e}") from e
+            down = not await asyncio.to_thread(self.engine_answers, 3)
+            lost = SandboxLost(f"could not restart container {self.container.short_id}"
+                               f"{' (its Docker engine does not answer)' if down else ''}: {e}")
+            lost.engine_down = down
+            raise lost from e
+
+    def engine_answers(self, tries: int = 3) -> bool:
+        """Whether this sandbox's Docker engine answers a ping (a fresh connection, 5 s) once in ``tries``
+        attempts a second apart: a "no" drops the episode as infrastructure, so one lost ping is not enough."""
+        from jaxrl_term.sandbox.engines import MIN_API_VERSION, answers, ping_client
+
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            return answers(engine.ping, tries)
+
+        def default() -> bool:
+            try:
+                import docker
+
+                cl = docker.from_env(timeout=5, version=MIN_API_VERSION)  # DOCKER_HOST / the local socket
+                try:
+                    return ping_client(cl)
+                finally:
+                    cl.close()
+            except Exception:  # noqa: BLE001 - any failure to answer
+                return False
+
+        return answers(default, tries)
 
     async def changes(self) -> list[tuple[str, str]]:
         """``docker diff``, without the mount points Docker itself adds (read-only volumes, docker-init) and the
@@ -619,23 +757,33 @@ def main(argv: list[str] | None = None) -> int:
                         "pass the same overrides as the run after --, e.g. -- +experiment=qwen32b_h100")
     r.add_argument("overrides", nargs="*", help="Hydra overrides for --all-hosts")
     args = ap.parse_args(argv)
-    urls = list(args.host)
-    if args.all_hosts:
-        from jaxrl_term.plan import compose
-
-        cfg = compose(args.overrides)
-        urls += [str(h["url"]) for h in cfg.sandbox.docker.hosts]
-    n = reap(all_runs=args.all, run_id=args.run)
-    print(f"default engine: removed {n} container(s)")
     from jaxrl_term.sandbox.engines import Engine, HostCfg
 
-    for url in dict.fromkeys(urls):
+    engines = [Engine(HostCfg(url=url), i) for i, url in enumerate(dict.fromkeys(args.host))]
+    if args.all_hosts:  # the preset's engines with their TLS settings
+        from omegaconf import OmegaConf
+
+        from jaxrl_term.plan import compose
+        from jaxrl_term.sandbox.engines import EnginePool
+
+        hosts = OmegaConf.to_container(compose(args.overrides).sandbox.docker.hosts, resolve=True)
+        if hosts:
+            engines += [e for e in EnginePool(hosts).engines if e.url not in {x.url for x in engines}]
+    failed = 0
+    try:
+        n = reap(all_runs=args.all, run_id=args.run)
+        print(f"default engine: removed {n} container(s)")
+    except Exception as e:  # noqa: BLE001 - a node without a local engine may still reap the cluster's
+        failed += not engines  # only an error when it was the one engine to reap
+        print(f"default engine: not reaped ({type(e).__name__}: {e})")
+    for engine in engines:
         try:
-            m = reap(all_runs=args.all, run_id=args.run, client_=Engine(HostCfg(url=url)).client())
-            print(f"{url}: removed {m} container(s)")
+            m = reap(all_runs=args.all, run_id=args.run, client_=engine.client())
+            print(f"{engine.url}: removed {m} container(s)")
         except Exception as e:  # noqa: BLE001 - one engine down does not stop the others
-            print(f"{url}: not reaped ({type(e).__name__}: {e})")
-    return 0
+            failed += 1
+            print(f"{engine.url}: not reaped ({type(e).__name__}: {e})")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

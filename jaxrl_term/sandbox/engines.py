@@ -21,6 +21,8 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
+import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,15 +47,33 @@ class HostCfg:
     name: str | None = None
 
 
+MIN_API_VERSION = "1.24"  # docker-py's minimum: the engine's own version is asked once per client
+
+
 class Engine:
-    def __init__(self, cfg: HostCfg):
-        if cfg.capacity < 1:
-            raise ValueError(f"sandbox.docker.hosts[{cfg.url}].capacity={cfg.capacity}: must be >= 1")
-        if not cfg.url.startswith(("unix://", "tcp://", "ssh://", "http://", "https://")):
-            raise ValueError(f"sandbox.docker.hosts url {cfg.url!r}: use unix://, tcp:// (with TLS) or ssh://")
+    def __init__(self, cfg: HostCfg, index: int = 0):
+        if isinstance(cfg.capacity, bool) or not isinstance(cfg.capacity, int) or cfg.capacity < 1:
+            raise ValueError(f"sandbox.docker.hosts[{index}].capacity={cfg.capacity!r}: must be an integer >= 1")
+        if not isinstance(cfg.url, str) or not cfg.url.startswith(("unix://", "tcp://", "ssh://", "http://",
+                                                                    "https://")):
+            raise ValueError(f"sandbox.docker.hosts[{index}].url={cfg.url!r}: use unix://, tcp:// (with TLS) or "
+                             "ssh://")
+        for f in ("ca_cert", "client_cert", "client_key"):
+            path = getattr(cfg, f)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"sandbox.docker.hosts[{index}].{f}={path!r}: no such file")
+        if cfg.tls_verify and not cfg.ca_cert:
+            raise ValueError(f"sandbox.docker.hosts[{index}] ({cfg.url}): tls_verify needs ca_cert (the CA that "
+                             "signed the engine's certificate)")
+        if bool(cfg.client_cert) != bool(cfg.client_key):
+            raise ValueError(f"sandbox.docker.hosts[{index}] ({cfg.url}): client_cert and client_key go together")
         self.cfg, self.url, self.capacity = cfg, cfg.url, cfg.capacity
-        self.name = cfg.name or cfg.url
+        self.name = cfg.name or f"e{index}"  # metric names: engine/e0/open, ...
         self._client = None
+        self._client_lock = threading.Lock()
+        self.base_lock = threading.Lock()  # one copy / build of the base images at a time
+        self.image_locks: dict[str, threading.Lock] = {}  # one copy of a prebuilt image at a time
+        self.prebuilt: set[str] = set()  # prebuilt images known to be here
         self.open = 0
         self.images: set[str] = set()  # task recipes (tasks/env.recipe_key) whose image is here
         self.bases_ready = False
@@ -61,23 +81,49 @@ class Engine:
         self.down_until = 0.0
         self.created = self.failures = self.commands = 0
         self.create_s = self.command_s = 0.0
+        self.failing = 0  # consecutive container creates the engine refused (DockerSandbox.create counts them)
+        self._reported: dict[str, float] = {}
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cfg.tls_verify or self.cfg.client_cert)
 
     def _tls(self):
         import docker
 
-        if not (self.cfg.tls_verify or self.cfg.client_cert):
+        if not self.tls:
             return None
         return docker.tls.TLSConfig(
             client_cert=(self.cfg.client_cert, self.cfg.client_key) if self.cfg.client_cert else None,
             ca_cert=self.cfg.ca_cert, verify=self.cfg.ca_cert if self.cfg.tls_verify else False)
 
     def client(self):
-        if self._client is None:
-            import docker
+        """The engine's client (made once; its API version is asked of the engine: call it off the event loop
+        the first time, as ``EnginePool.place`` does)."""
+        with self._client_lock:
+            if self._client is None:
+                cl = self._connect(timeout_s=10, version=MIN_API_VERSION, max_pool_size=128)
+                try:  # the engine's API version (what docker-py's "auto" does), asked with a short timeout
+                    cl.api._version = cl.api.version(api_version=False)["ApiVersion"]
+                except BaseException:
+                    cl.close()
+                    raise
+                cl.api.timeout = 300  # builds, image copies and big transfers take long
+                self._client = cl
+            return self._client
 
-            self._client = docker.DockerClient(base_url=self.url, tls=self._tls(), timeout=300, max_pool_size=128,
-                                               use_ssh_client=self.url.startswith("ssh://"))
-        return self._client
+    def _connect(self, timeout_s: float, version: str, **kw):
+        import docker
+
+        if self.url.startswith("ssh://"):
+            _mend_ssh_close()
+
+        cl = docker.DockerClient(base_url=self.url, tls=self._tls(), timeout=timeout_s, version=version,
+                                 use_ssh_client=self.url.startswith("ssh://"), **kw)
+        # requests lets REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE (set on many clusters) replace the engine's CA per
+        # request, which fails TLS verification; HTTP(S)_PROXY must not route the engine's API either
+        cl.api.trust_env = False
+        return cl
 
     @property
     def healthy(self) -> bool:
@@ -86,39 +132,106 @@ class Engine:
     def ping(self, timeout_s: float = 5.0) -> bool:
         """Whether the engine answers within ``timeout_s`` (a fresh connection: the pooled ones may hang)."""
         try:
-            import docker
-
-            api = docker.APIClient(base_url=self.url, tls=self._tls(), timeout=timeout_s,
-                                   use_ssh_client=self.url.startswith("ssh://"))
+            cl = self._connect(timeout_s=timeout_s, version=MIN_API_VERSION)
             try:
-                return bool(api.ping())
+                return ping_client(cl)
             finally:
-                api.close()
+                cl.close()
         except Exception:  # noqa: BLE001 - any failure to answer is "down"
             return False
 
     def mark_down(self, cooldown_s: float, why: str) -> None:
         self.down_until = time.monotonic() + cooldown_s
-        log.warning("Docker engine %s out of rotation for %.0fs: %s", self.name, cooldown_s, why)
+        log.warning("Docker engine %s (%s) out of rotation for %.0fs: %s", self.name, self.url, cooldown_s, why)
 
     def metrics(self) -> dict[str, float]:
+        """``open`` and ``up`` now; ``created``, ``failures`` since the last call; latencies averaged over them."""
         p = f"engine/{self.name}"
-        return {f"{p}/open": self.open, f"{p}/created": self.created, f"{p}/failures": self.failures,
-                f"{p}/create_ms": 1e3 * self.create_s / max(1, self.created),
-                f"{p}/command_ms": 1e3 * self.command_s / max(1, self.commands), f"{p}/up": float(self.healthy)}
+        now = {"created": self.created, "failures": self.failures, "commands": self.commands,
+               "create_s": self.create_s, "command_s": self.command_s}
+        d = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
+        return {f"{p}/open": self.open, f"{p}/created": d["created"], f"{p}/failures": d["failures"],
+                f"{p}/create_ms": 1e3 * d["create_s"] / max(1, d["created"]),
+                f"{p}/command_ms": 1e3 * d["command_s"] / max(1, d["commands"]), f"{p}/up": float(self.healthy)}
+
+
+def ping_client(cl) -> bool:
+    """``GET /_ping`` without an API version in the path: engines refuse versioned calls below their minimum
+    (Docker 25+ raised it), and a ping must not fail for that."""
+    api = cl.api
+    return api._result(api._get(f"{api.base_url}/_ping")) == "OK"
+
+
+def answers(probe, tries: int = 3, gap_s: float = 1.0) -> bool:
+    """Whether ``probe()`` succeeds once in ``tries`` attempts ``gap_s`` apart (one lost ping is not a dead
+    engine; this decides whether an episode is dropped as infrastructure instead of scored)."""
+    for i in range(tries):
+        if probe():
+            return True
+        if i + 1 < tries:
+            time.sleep(gap_s)
+    return False
+
+
+def _mend_ssh_close() -> None:
+    """docker-py's ssh client socket (``use_ssh_client=True``: the ``ssh`` program, so ``~/.ssh/config``, agents
+    and jump hosts work as in a shell) writes to ssh's stdin on close; when ssh already exited (its remote ``docker
+    system dial-stdio`` ended with the response, e.g. after every ``exec_run``) that raises BrokenPipeError
+    (docker/docker-py#3218, open). Closing a finished connection is not an error: tolerated here."""
+    from docker.transport import sshconn
+
+    if getattr(sshconn.SSHSocket.close, "_jaxrl_mended", False):
+        return
+    original = sshconn.SSHSocket.close
+
+    def close(self):
+        try:
+            original(self)
+        except (BrokenPipeError, ValueError, OSError):  # ssh is gone: nothing left to close but the process
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+
+    close._jaxrl_mended = True
+    sshconn.SSHSocket.close = close
+
+
+# after this many container creates in a row refused by an engine that still answers pings (a full disk, a broken
+# storage driver), it leaves the rotation like one that does not answer; an episode's own errors (a task image
+# that does not build, the policy server, the verifier) never count
+MAX_CONSECUTIVE_FAILURES = 3
 
 
 class EnginePool:
     def __init__(self, hosts: Sequence[HostCfg | dict], *, cooldown_s: float = 60.0):
         if not hosts:
             raise ValueError("sandbox.docker.hosts is empty")
-        self.engines = [Engine(h if isinstance(h, HostCfg) else HostCfg(**h)) for h in hosts]
+        fields = {f.name for f in dataclasses.fields(HostCfg)}
+        cfgs = []
+        for i, h in enumerate(hosts):
+            if isinstance(h, str):
+                h = {"url": h}
+            if not isinstance(h, (HostCfg, dict)):
+                raise ValueError(f"sandbox.docker.hosts[{i}]: a mapping {{url, capacity, ...}}, got {h!r}")
+            if isinstance(h, dict):
+                unknown = sorted(set(h) - fields)
+                if unknown:
+                    raise ValueError(f"sandbox.docker.hosts[{i}]: unknown key(s) {unknown}; use {sorted(fields)}")
+                h = HostCfg(**h)
+            cfgs.append(h)
+        self.engines = [Engine(h, i) for i, h in enumerate(cfgs)]
         for e in self.engines:
             e.pool = self
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise ValueError(f"sandbox.docker.hosts: names must be unique, got {names}")
+        urls = [e.url for e in self.engines]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"sandbox.docker.hosts: an engine is listed twice ({urls}); raise its capacity instead")
+        if cooldown_s <= 0:
+            raise ValueError(f"sandbox.docker.cooldown_s={cooldown_s}: must be > 0")
         self.cooldown_s = cooldown_s
+        self._lock = threading.Lock()  # open counts: event loops of several threads may share this pool
 
     def _pick(self, prefer: str | None) -> Engine | None:
         free = [e for e in self.engines if e.healthy and e.open < e.capacity]
@@ -127,59 +240,130 @@ class EnginePool:
         return min(free, key=lambda e: (prefer is not None and prefer not in e.images, e.open / e.capacity,
                                         self.engines.index(e)))
 
-    @contextlib.asynccontextmanager
-    async def place(self, prefer: str | None = None):
-        """``async with pool.place(image) as engine``: the sandbox opened inside lives on ``engine``."""
+    async def _wait_for_engine(self, prefer: str | None, timeout_s: float | None) -> Engine:
         from jaxrl_term.sandbox.base import SandboxError
 
-        while (engine := self._pick(prefer)) is None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                engine = self._pick(prefer)
+                if engine is not None:
+                    engine.open += 1
+                    return engine
+            if deadline is not None and time.monotonic() > deadline:
+                raise SandboxError(f"no Docker engine had room for a sandbox within {timeout_s:.0f}s "
+                                   f"({self.describe()})")
             if not any(e.healthy for e in self.engines):
-                soonest = min(e.down_until for e in self.engines) - time.monotonic()
-                if soonest > 0:
-                    raise SandboxError(f"no Docker engine answers (all {len(self.engines)} out of rotation; the "
-                                       f"first is retried in {soonest:.0f}s)")
+                # every engine is out of rotation: wait for the first cool-down to end, then ask it; one that
+                # still does not answer fails this sandbox (the episode is retried, then dropped)
+                first = min(self.engines, key=lambda e: e.down_until)
+                until = first.down_until if deadline is None else min(first.down_until, deadline)
+                await asyncio.sleep(max(0.0, until - time.monotonic()))
+                if not first.healthy:
+                    continue  # marked down again meanwhile, or the deadline came first
+                if not await asyncio.to_thread(first.ping):
+                    first.mark_down(self.cooldown_s, "it still does not answer after its cool-down")
+                    raise SandboxError(f"no Docker engine answers ({self.describe()})")
+                continue
             await asyncio.sleep(0.05)
-        engine.open += 1
+
+    def describe(self) -> str:
+        now = time.monotonic()
+        return ", ".join(f"{e.name}: {e.open}/{e.capacity} open" + ("" if e.healthy else
+                                                                    f", down for {e.down_until - now:.0f}s more")
+                         for e in self.engines)
+
+    @contextlib.asynccontextmanager
+    async def place(self, prefer: str | None = None, *, on: Engine | None = None, timeout_s: float | None = None):
+        """``async with pool.place(image) as engine``: the sandbox opened inside lives on ``engine``.
+
+        ``on``: that engine, over its capacity if need be (a verifier's check on a fresh sandbox of an episode
+        that holds a place there must not wait for its own place); it fails at once if the engine does not
+        answer. ``timeout_s``: how long to wait for room (None: as long as it takes; the run's own cap bounds
+        the waiters)."""
+        from jaxrl_term.sandbox.base import SandboxError
+
+        if on is not None:
+            if on not in self.engines:
+                raise ValueError(f"engine {on.name} is not in this pool")
+            # out of rotation for another episode's reason is no reason here: only an engine that does not answer
+            if not on.healthy and not await asyncio.to_thread(on.ping):
+                raise SandboxError(f"Docker engine {on.name} ({on.url}) does not answer")
+            engine = on
+            with self._lock:
+                engine.open += 1
+        else:
+            engine = await self._wait_for_engine(prefer, timeout_s)
         token = CURRENT.set(engine)
         error: BaseException | None = None
         try:
+            try:
+                await asyncio.to_thread(engine.client)  # its API version asked off the event loop
+            except Exception as e:  # noqa: BLE001 - it does not answer: infrastructure, never the episode's fault
+                raise SandboxError(f"Docker engine {engine.name} ({engine.url}): {type(e).__name__}: {e}") from e
             yield engine
         except BaseException as e:
             error = e
             raise
         finally:
             CURRENT.reset(token)
-            engine.open -= 1
             # after every sandbox (the agent loop reports a lost sandbox as an invalid episode, not an exception):
             # an engine that does not answer leaves the rotation before the episode is retried
-            if not isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)):
+            with self._lock:
+                engine.open -= 1
+            if not isinstance(error, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
                 engine.failures += error is not None
                 if not await asyncio.to_thread(engine.ping):
                     why = f"{type(error).__name__}: {error}" if error is not None else "it stopped answering"
                     engine.mark_down(self.cooldown_s, why)
+                elif engine.failing >= MAX_CONSECUTIVE_FAILURES:
+                    engine.failing = 0
+                    engine.mark_down(self.cooldown_s, f"{MAX_CONSECUTIVE_FAILURES} container creates in a row were "
+                                                      f"refused there (last: {type(error).__name__}: {error})")
 
     def copy_base_images(self, engine: Engine) -> None:
         """The base images (``images.BASE_IMAGES``) onto ``engine``: copied from a peer that has them (the other
-        engines, then this machine's default one), else built there by the same set-up code as ``make sandbox``."""
+        engines, then this machine's default one), else built there by the same set-up code as ``make sandbox``.
+        Once per engine at a time (threads of several event loops may ask together)."""
         from jaxrl_term.sandbox.base import SandboxError
         from jaxrl_term.sandbox.docker import default_client
         from jaxrl_term.sandbox.images import BASE_IMAGES, build_base_image, resolve_ca_bundle
 
-        peers = [e.client() for e in self.engines if e is not engine and e.healthy]
-        try:
-            peers.append(default_client())
-        except Exception:  # noqa: BLE001 - no default engine on this machine
-            pass
-        for spec in BASE_IMAGES.values():
-            if ensure_base_image(engine.client(), spec.name, peers):
-                continue
-            if engine.cfg.tls_verify or engine.cfg.client_cert or engine.url.startswith("ssh://"):
-                raise SandboxError(f"Docker engine {engine.name} has no {spec.name} and no peer engine has it: "
-                                   f"run `DOCKER_HOST={engine.url} python -m jaxrl_term.sandbox.images setup` "
-                                   "(with DOCKER_TLS_VERIFY / DOCKER_CERT_PATH for TLS) once")
-            log.info("building %s on engine %s (no peer has it)", spec.name, engine.name)
-            build_base_image(engine.client(), spec, ca_bundle=resolve_ca_bundle("auto"), host=engine.url)
-        engine.bases_ready = True
+        with engine.base_lock:
+            if engine.bases_ready:
+                return
+            peers = [e.client for e in self.engines if e is not engine and e.healthy]
+            peers.append(default_client)
+            for spec in BASE_IMAGES.values():
+                if ensure_base_image(engine.client(), spec.name, peers):
+                    continue
+                if engine.tls or engine.url.startswith("ssh://"):
+                    raise SandboxError(f"Docker engine {engine.name} ({engine.url}) has no {spec.name} and no peer "
+                                       f"engine has it: run `DOCKER_HOST={engine.url} python -m "
+                                       "jaxrl_term.sandbox.images setup` (with DOCKER_TLS_VERIFY / DOCKER_CERT_PATH "
+                                       "for TLS) once")
+                log.info("building %s on engine %s (no peer has it)", spec.name, engine.name)
+                build_base_image(engine.client(), spec, ca_bundle=resolve_ca_bundle("auto"), host=engine.url)
+            engine.bases_ready = True
+
+    def copy_image(self, engine: Engine, name: str) -> None:
+        """A prebuilt image (a task's ``docker_image``, a compose ``image:``; never pulled) onto ``engine`` from a
+        peer engine that has it; SandboxError naming the image when none has."""
+        from jaxrl_term.sandbox.base import SandboxError
+        from jaxrl_term.sandbox.docker import default_client
+
+        if name in engine.prebuilt:
+            return
+        with self._lock:
+            lock = engine.image_locks.setdefault(name, threading.Lock())
+        with lock:
+            if name in engine.prebuilt:
+                return
+            peers = [e.client for e in self.engines if e is not engine and e.healthy] + [default_client]
+            if not ensure_base_image(engine.client(), name, peers):
+                raise SandboxError(f"image {name!r} is on no Docker engine of sandbox.docker.hosts (nothing is "
+                                   f"pulled): load or build it on one of them, e.g. `docker -H {engine.url} load`")
+            engine.prebuilt.add(name)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -188,86 +372,242 @@ class EnginePool:
         return out
 
 
+_SHARED: dict[str, EnginePool] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_pool(hosts: Sequence[HostCfg | dict | str], *, cooldown_s: float = 60.0) -> EnginePool:
+    """One ``EnginePool`` per process for the same hosts and cool-down (config.SandboxCfg.engines)."""
+    import json
+
+    key = json.dumps([dataclasses.asdict(h) if isinstance(h, HostCfg) else h for h in hosts], sort_keys=True,
+                     default=str) + f"|{cooldown_s}"
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = EnginePool(hosts, cooldown_s=cooldown_s)
+        return _SHARED[key]
+
+
 def current() -> Engine | None:
     return CURRENT.get()
 
 
 def ensure_base_image(engine_client: Any, name: str, peers: Sequence[Any]) -> bool:
-    """``name`` on the engine of ``engine_client``: copied from the first peer engine that has it (save/load
-    through the API). False when no peer has it."""
+    """``name`` (a base image, or any image that is never pulled) on the engine of ``engine_client``: copied from
+    the first peer engine that has it, streamed ``save -> load`` through the API. A copy already there is kept
+    unless the peer's carries another recipe (the ``jaxrl_term.recipe`` label ``images.py`` sets: a stale base
+    image under the same tag is replaced). A peer that is down or fails mid-copy is skipped. ``peers``: clients,
+    or callables that make one. False when the image is not there and no peer could give it."""
     import docker
 
+    from jaxrl_term.sandbox.images import RECIPE_LABEL
+
     try:
-        engine_client.images.get(name)
-        return True
+        have = (engine_client.images.get(name).labels or {}).get(RECIPE_LABEL)
+        present = True
     except docker.errors.ImageNotFound:
-        pass
+        have, present = None, False
     for peer in peers:
         try:
+            peer = peer() if callable(peer) else peer
             img = peer.images.get(name)
         except Exception:  # noqa: BLE001 - that peer lacks it or is down
             continue
+        want = (img.labels or {}).get(RECIPE_LABEL)
+        if present and (want is None or want == have):
+            return True  # the same recipe (or an image without one: nothing to compare)
         t0 = time.monotonic()
-        engine_client.images.load(b"".join(img.save(named=True)))
-        log.info("base image %s copied to engine %s in %.1fs", name, engine_client.api.base_url,
-                 time.monotonic() - t0)
+        try:
+            tag = next((t for t in img.tags if t in (name, f"{name}:latest")), True)  # this name, not the first tag
+            engine_client.images.load(img.save(named=tag))  # a generator of chunks: streamed, never all in memory
+            engine_client.images.get(name)
+        except Exception as e:  # noqa: BLE001 - that peer went away mid-copy, or the load failed: try the next
+            log.warning("copying %s to engine %s failed: %s", name, engine_client.api.base_url, e)
+            continue
+        log.info("image %s copied to engine %s in %.1fs%s", name, engine_client.api.base_url,
+                 time.monotonic() - t0, f" (replacing recipe {have})" if present else "")
         return True
-    return False
+    return present
 
 
 @contextlib.contextmanager
-def local_daemon(root: str | None = None, wait_s: float = 90.0):
+def local_daemon(root: str | None = None, wait_s: float = 90.0, *, tls: bool = False):
     """A second Docker daemon on this machine (root only) on its own socket, data root and exec root, in its own
     network namespace, without a default bridge or iptables rules: what tests and
     ``experiments/bench/sandbox_pool.py`` place sandboxes on.
-    Yields ``{"url", "root", "proc"}``; ``restart(state)`` starts it again on the same data root."""
+    Yields ``{"url", "root", "proc"}``; ``restart(state)`` starts it again on the same data root.
+
+    ``tls``: the daemon also listens on TCP with ``--tlsverify`` (a CA, server and client certificates made here
+    with ``openssl``), reached from this namespace through a relay on 127.0.0.1; the state then has
+    ``tcp_url``, ``ca_cert``, ``client_cert``, ``client_key`` (a ``HostCfg`` for a TLS engine)."""
     import shutil
     import subprocess
     import tempfile
 
     root = root or tempfile.mkdtemp(prefix="jrt-d2-", dir="/tmp")  # short: a socket path has at most 107 bytes
-    state = {"root": root, "url": f"unix://{root}/docker.sock"}
-    state["proc"] = _start_daemon(root, wait_s)
+    state = {"root": root, "url": f"unix://{root}/docker.sock", "tls": tls}
+    if tls:
+        state.update(_make_certs(root))
+    state["proc"] = _start_daemon(state, wait_s)
     try:
         yield state
     finally:
-        p = state["proc"]
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        for k in ("relay", "proc"):
+            p = state.get(k)
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
         subprocess.run(["bash", "-c", f"grep -o ' {root}[^ ]*' /proc/mounts | sort -r | xargs -r umount -l"],
                        capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
 def restart(state: dict, wait_s: float = 90.0) -> None:
-    state["proc"] = _start_daemon(state["root"], wait_s)
+    relay = state.pop("relay", None)
+    if relay is not None and relay.poll() is None:
+        relay.kill()
+    _clear_stale_containerd(state["root"])
+    state["proc"] = _start_daemon(state, wait_s)
 
 
-def _start_daemon(root: str, wait_s: float):
+def _clear_stale_containerd(root: str) -> None:
+    """After a SIGKILLed dockerd its containerd's pid file stays; while that pid exists (an unreaped zombie, or
+    a reused pid) the next dockerd waits for that "running" containerd and times out. Kill it if it is still ours,
+    then drop the pid file."""
+    import signal
+
+    pidfile = f"{root}/exec/containerd/containerd.pid"
+    try:
+        with open(pidfile) as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = root.encode() in f.read()
+    except OSError:
+        ours = False
+    if ours:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(100):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                        break
+            except OSError:
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(pidfile)
+
+
+def _make_certs(root: str) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate (clientAuth), by openssl."""
     import subprocess
+
+    d = f"{root}/tls"
+    os.makedirs(d, exist_ok=True)
+
+    def run(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, cwd=d)
+
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=jaxrl-test-ca",
+        "-keyout", "ca-key.pem", "-out", "ca.pem")
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth"),
+                     ("client", "extendedKeyUsage=clientAuth")):
+        run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", f"{who}-key.pem",
+            "-out", f"{who}.csr")
+        with open(f"{d}/{who}.ext", "w") as f:
+            f.write(ext + "\n")
+        run("openssl", "x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem",
+            "-CAcreateserial", "-days", "2", "-extfile", f"{who}.ext", "-out", f"{who}.pem")
+    return {"ca_cert": f"{d}/ca.pem", "client_cert": f"{d}/client.pem", "client_key": f"{d}/client-key.pem",
+            "server_cert": f"{d}/server.pem", "server_key": f"{d}/server-key.pem"}
+
+
+# Accepts on 127.0.0.1 in this network namespace, connects to 127.0.0.1:2376 in the daemon's (bytes both ways,
+# half-closes passed on): TLS stays end to end between the client and dockerd.
+_RELAY = r"""
+import asyncio, ctypes, os, socket, sys
+ns, port_file = sys.argv[1], sys.argv[2]
+lsock = socket.socket()
+lsock.bind(("127.0.0.1", 0))
+lsock.listen(128)
+fd = os.open(ns, os.O_RDONLY)
+if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:
+    raise SystemExit(f"setns: errno {ctypes.get_errno()}")
+async def pipe(r, w):
+    try:
+        while data := await r.read(65536):
+            w.write(data)
+            await w.drain()
+        if w.can_write_eof():
+            w.write_eof()
+    except OSError:
+        w.close()
+async def handle(r, w):
+    try:
+        r2, w2 = await asyncio.open_connection("127.0.0.1", 2376)
+    except OSError:
+        w.close()
+        return
+    await asyncio.gather(pipe(r, w2), pipe(r2, w))
+    w.close(); w2.close()
+async def main():
+    server = await asyncio.start_server(handle, sock=lsock)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(lsock.getsockname()[1]))
+    os.replace(port_file + ".tmp", port_file)
+    await server.serve_forever()
+asyncio.run(main())
+"""
+
+
+def _start_daemon(state: dict, wait_s: float):
+    import subprocess
+    import sys
 
     import docker
 
+    root = state["root"]
     sock = f"{root}/docker.sock"
+    argv = ["dockerd", "--host", f"unix://{sock}", "--data-root", f"{root}/data",
+            "--exec-root", f"{root}/exec", "--pidfile", f"{root}/docker.pid", "--bridge", "none", "--iptables=false"]
+    if state.get("tls"):
+        argv += ["--host", "tcp://127.0.0.1:2376", "--tlsverify", "--tlscacert", state["ca_cert"], "--tlscert",
+                 state["server_cert"], "--tlskey", state["server_key"]]
     with open(f"{root}/dockerd.log", "ab") as log_file:
         # in its own network namespace: a second daemon in the host's would delete or reconfigure the first one's
         # docker0 (with --bridge none it removes it); the socket is a file, reachable from here all the same
-        proc = subprocess.Popen(["unshare", "--net", "dockerd", "--host", f"unix://{sock}", "--data-root", f"{root}/data",
-                                 "--exec-root", f"{root}/exec", "--pidfile", f"{root}/docker.pid", "--bridge", "none",
-                                 "--iptables=false"], stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        # (its loopback up: the TLS listener is on 127.0.0.1 there)
+        proc = subprocess.Popen(["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv],
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + wait_s
     while True:
         try:
             docker.DockerClient(base_url=f"unix://{sock}", timeout=5).ping()
-            return proc
+            break
         except Exception as e:  # noqa: BLE001 - not up yet
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
                 with open(f"{root}/dockerd.log", errors="replace") as f:
                     raise RuntimeError(f"dockerd on {sock} did not start ({e}): {f.read()[-3000:]}") from e
             time.sleep(0.3)
+    if state.get("tls"):
+        port_file = f"{root}/relay.port"
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(port_file)
+        with open(f"{root}/relay.log", "ab") as relay_log:
+            state["relay"] = subprocess.Popen([sys.executable, "-c", _RELAY, f"/proc/{proc.pid}/ns/net", port_file],
+                                              stdout=relay_log, stderr=subprocess.STDOUT, start_new_session=True)
+        while not os.path.exists(port_file):
+            if state["relay"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the TLS relay to the second dockerd did not start")
+            time.sleep(0.05)
+        with open(port_file) as f:
+            state["tcp_url"] = f"tcp://127.0.0.1:{f.read().strip()}"
+    return proc

@@ -93,8 +93,9 @@ async def _check(task: Task, agent: str, *, backend: str, builder, scoring: str,
                 await run_oracle(task, sb)
             # the same verifier as training: tamper checks included (a cheating "oracle" is not "ok"), and a
             # verifier error re-checked on a fresh sandbox of the task
-            res = await verify(task, sb, scoring=scoring, fresh=lambda: open_task_sandbox(
+            fresh = getattr(sb, "reopen", None) or (lambda: open_task_sandbox(
                 task, backend=backend, builder=builder, **(limits or {})))
+            res = await verify(task, sb, scoring=scoring, fresh=fresh)
     except Exception as e:  # noqa: BLE001 - a task that cannot even start is reported, not raised
         kind = "build_error" if type(e).__name__ == "ImageBuildError" else "sandbox_error"
         return CheckResult(task.id, agent, None, kind, {}, time.monotonic() - t0, True, f"{type(e).__name__}: {e}")

@@ -23,7 +23,20 @@ async def image_for(task: Task, builder) -> str:
         files = {k: (v.data, v.mode) for k, v in env.files.items()}
         return await builder.ensure(env.dockerfile, files, timeout_s=env.build_timeout_s)
     assert env.image
+    await ensure_on_engine(env.image)
     return env.image
+
+
+async def ensure_on_engine(image: str) -> None:
+    """Several engines (sandbox.docker.hosts): a prebuilt image copied onto the sandbox's engine from a peer that
+    has it (never pulled)."""
+    import asyncio
+
+    from jaxrl_term.sandbox.engines import CURRENT
+
+    engine = CURRENT.get()
+    if engine is not None and engine.pool is not None:
+        await asyncio.to_thread(engine.pool.copy_image, engine, image)
 
 
 def recipe_key(task: Task) -> str:
@@ -122,6 +135,7 @@ async def open_task_sandbox(
     pool: SandboxPool | None = None,
     labels: dict[str, str] | None = None,
     engines=None,
+    on_engine=None,
     **limits,
 ) -> AsyncIterator[Sandbox]:
     """``async with open_task_sandbox(task, builder=ImageBuilder()) as sb`` -> a sandbox in the task's initial
@@ -154,7 +168,7 @@ async def open_task_sandbox(
         if backend == "docker" and engines is not None:  # several engines: this sandbox's, for its whole life
             if pool is not None:  # the run's cap first, then a place on an engine
                 await stack.enter_async_context(pool.slot())
-            engine = await stack.enter_async_context(engines.place(prefer=recipe_key(task)))
+            engine = await stack.enter_async_context(engines.place(prefer=recipe_key(task), on=on_engine))
             labels = {**labels, "jaxrl_term.engine": engine.name[:63]}
         if backend == "docker":
             if builder is None:
@@ -179,8 +193,11 @@ async def open_task_sandbox(
         sb = await stack.enter_async_context(cm)
         sb.phase_network = {phase: p.online for phase, p in phases.items()}
         # a fresh sandbox of the same task with the same settings (the verifier's sabotage / network checks)
+        # on the same engine, over its capacity (this episode holds a place there): a check never waits for its
+        # own episode's place, and an engine that died under the verifier fails the check instead of passing it
+        # on a healthy one (which would read as sabotage)
         sb.reopen = functools.partial(open_task_sandbox, task, backend=backend, builder=builder, labels=labels,
-                                      engines=engines, **limits)
+                                      engines=engines, on_engine=engine if engines is not None else None, **limits)
         if lim["network"] and not phases["agent"].online:
             await sb.set_network(False)  # the verifier phase gets it back; the agent never sees it
         if backend == "local":
