@@ -28,6 +28,7 @@ class ModelOptionsCfg:
     lm_head_fp32: bool = True
     logits_chunk: int = 0
     precision: str = "default"
+    flat_matmuls: bool = True  # [B, T] merged for the layers' matmuls (2-D GEMMs; see model/qwen3.decoder_layer)
 
 
 @dataclasses.dataclass

@@ -217,3 +217,43 @@ def test_reference_pass_feeds_the_kl_term():
     assert h2[0]["kl"] > 1e-6
     with pytest.raises(ValueError, match="ref_params"):
         ts.update(state, batch)
+
+
+def test_flat_matmuls_give_the_same_loss_and_gradients():
+    """The update step with the layers' matmuls on merged [B*T] tokens (model.options.flat_matmuls, the CPU speed
+    fix of experiments/results/train_step.md) equals the [B, T] einsums: loss and every gradient to fp32
+    tolerance, on a tiny config with GQA, padding and two microbatches."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl_term.model.qwen3 import ModelOptions, Qwen3, Qwen3Config
+    from jaxrl_term.rl.batch import Batch
+    from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
+
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    rng = np.random.RandomState(3)
+    b, t = 4, 24
+    seg = np.ones((b, t), np.int32)
+    seg[1, 17:] = 0  # a padded row
+    mask = (rng.rand(b, t) > 0.3).astype(np.float32) * (seg > 0)
+    batch = Batch(tokens=rng.randint(0, 96, (b, t)).astype(np.int32),
+                  positions=np.tile(np.arange(t, dtype=np.int32), (b, 1)), segment_ids=seg, loss_mask=mask,
+                  advantages=np.repeat(rng.randn(b, 1), t, 1).astype(np.float32),
+                  rollout_logp=(np.log(rng.uniform(0.05, 0.5, (b, t))) * mask).astype(np.float32),
+                  old_logp=np.zeros((b, t), np.float32), ref_logp=np.zeros((b, t), np.float32),
+                  fresh=np.ones((b, t), np.float32))
+    out = {}
+    for flat in (False, True):
+        opts = ModelOptions(flat_matmuls=flat)
+        ts = make_train_step(cfg, AlgoConfig(microbatches=2), OptimConfig(lr=1e-3), options=opts)
+        params = nnx.to_pure_dict(nnx.state(Qwen3(cfg, opts, rngs=nnx.Rngs(0)), nnx.Param))
+        grads, ok, metrics = ts._grad_step(params, ts.place_batch(batch))
+        out[flat] = (jax.device_get(grads), float(metrics["loss"]), bool(ok))
+    assert out[True][2] and out[False][2]
+    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-6, atol=1e-7)
+    flat_g, ref_g = jax.tree.leaves(out[True][0]), jax.tree.leaves(out[False][0])
+    assert len(flat_g) == len(ref_g) > 5
+    for g1, g0 in zip(flat_g, ref_g):
+        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)

@@ -32,8 +32,13 @@ CONFIGS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),
+    # Qwen3-0.6B's dimensions (conf/model/qwen3_0_6b.yaml), short context
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
 }
-BATCH = {"tiny": (8, 256), "100m": (4, 256)}
+BATCH = {"tiny": (8, 256), "100m": (4, 256), "0.6b": (2, 128)}
+# ours with one ModelOptions field changed from the default: what that option costs (a row of its own)
+VARIANTS = {"flat_matmuls=false": {"flat_matmuls": False}}
 EPS_LOW, EPS_HIGH, LR = 0.2, 0.28, 1e-6
 
 
@@ -48,17 +53,19 @@ def make_data(name: str):
     return tokens, mask, rollout, adv
 
 
-def worker_ours(name: str, ckpt: str, steps: int) -> list[float]:
+def worker_ours(name: str, ckpt: str, steps: int, variant: str = "") -> list[float]:
     import jax
     from flax import nnx
 
     from jaxrl_term.model.hf import load_pretrained
+    from jaxrl_term.model.qwen3 import ModelOptions
     from jaxrl_term.rl.batch import Batch
     from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
 
-    model = load_pretrained(ckpt)
+    options = ModelOptions(**VARIANTS.get(variant, {}))
+    model = load_pretrained(ckpt, options=options)
     ts = make_train_step(model.config, AlgoConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH),
-                         OptimConfig(lr=LR, weight_decay=0.0, grad_clip=1.0))
+                         OptimConfig(lr=LR, weight_decay=0.0, grad_clip=1.0), options=options)
     state = ts.init_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     tokens, mask, rollout, adv = make_data(name)
     b, t = tokens.shape
@@ -108,9 +115,26 @@ def worker_torch(name: str, ckpt: str, steps: int) -> list[float]:
     return times
 
 
-def run_worker(side: str, name: str, ckpt: str, steps: int) -> tuple[list[float], float]:
+def gemm_peak(n: int = 2048, reps: int = 10) -> float:
+    """This machine's fp32 GEMM rate in JAX (GFLOP/s): an n x n x n matmul, median of ``reps``."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.asarray(np.random.RandomState(0).randn(n, n).astype(np.float32))
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a, a).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / statistics.median(ts) / 1e9
+
+
+def run_worker(side: str, name: str, ckpt: str, steps: int, variant: str = "") -> tuple[list[float], float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", side, "--config", name, "--ckpt", ckpt, "--steps", str(steps)],
+        [sys.executable, __file__, "--worker", side, "--config", name, "--ckpt", ckpt, "--steps", str(steps)]
+        + (["--variant", variant] if variant else []) + (["--peak"] if side == "peak" else []),
         capture_output=True, text=True, check=False,
     )
     if out.returncode != 0:
@@ -123,14 +147,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--configs", default="tiny,100m")
+    ap.add_argument("--configs", default="tiny,100m,0.6b")
+    ap.add_argument("--variants", default="flat_matmuls=false", help="ours with an option changed, on 100m")
+    ap.add_argument("--variant", default="")
+    ap.add_argument("--peak", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "train_step.md"))
-    ap.add_argument("--worker", choices=["ours", "torch"])
+    ap.add_argument("--worker", choices=["ours", "torch", "peak"])
     ap.add_argument("--config")
     ap.add_argument("--ckpt")
     args = ap.parse_args()
+    if args.worker == "peak":  # in its own process, between the workers: the GEMM rate the steps are held to
+        print(json.dumps({"times": [gemm_peak()], "peak_rss_mb": 0.0}))
+        return
     if args.worker:
-        times = (worker_ours if args.worker == "ours" else worker_torch)(args.config, args.ckpt, args.steps)
+        times = (worker_ours(args.config, args.ckpt, args.steps, args.variant) if args.worker == "ours"
+                 else worker_torch(args.config, args.ckpt, args.steps))
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(json.dumps({"times": times, "peak_rss_mb": peak}))
         return
@@ -139,10 +170,12 @@ def main() -> None:
     import transformers
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    header = ("| config | params | batch x len | ours tok/s | torch eager tok/s | ratio (ours/torch) | "
-              "ours peak RSS MB | torch peak RSS MB |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+    header = ("| config | params | batch x len | ours tok/s | torch eager tok/s | ratio (ours/torch) | ours % of GEMM peak "
+              "| torch % of GEMM peak | ours peak RSS MB | torch peak RSS MB |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(header)
-    rows = []
+    rows, peaks_gflops = [], []
+    variants = [v for v in args.variants.split(",") if v]
     for name in args.configs.split(","):
         with tempfile.TemporaryDirectory() as d:
             torch.manual_seed(0)
@@ -150,24 +183,39 @@ def main() -> None:
             n_params = sum(p.numel() for p in hf.parameters())
             hf.save_pretrained(d)
             del hf
-            times = {"ours": [], "torch": []}
-            peaks = {"ours": 0.0, "torch": 0.0}
-            for _ in range(args.rounds):
-                for side in ("ours", "torch"):
-                    t, peak = run_worker(side, name, d, args.steps)
+            sides = ["ours", "torch"] + ([f"ours:{v}" for v in variants] if name == "100m" else [])
+            times = {k: [] for k in sides}
+            peaks = {k: 0.0 for k in sides}
+            rounds = 1 if name == "0.6b" else args.rounds  # minutes per step pair at 0.6B on 2 cores
+            for _ in range(rounds):
+                peaks_gflops.append(run_worker("peak", name, d, 0)[0][0])
+                for side in sides:
+                    kind, _, variant = side.partition(":")
+                    t, peak = run_worker(kind, name, d, args.steps, variant)
                     times[side] += t
                     peaks[side] = max(peaks[side], peak)
         b, t = BATCH[name]
-        tps = {k: b * t / statistics.median(v) for k, v in times.items()}
-        row = (f"| {name} | {n_params / 1e6:.1f}M | {b} x {t} | {tps['ours']:,.0f} | {tps['torch']:,.0f} | "
-               f"{tps['ours'] / tps['torch']:.2f} | {peaks['ours']:,.0f} | {peaks['torch']:,.0f} |")
-        print(row, flush=True)
-        rows.append(row)
+        peak_gflops = statistics.median(peaks_gflops)
+        flops = 6 * n_params * b * t  # 6 N T: forward + backward of the dense weights (attention not counted)
+        for side in [None] + sides[2:]:
+            ours = side or "ours"
+            tps = {k: b * t / statistics.median(times[k]) for k in (ours, "torch")}
+            mfu = {k: 100 * flops / statistics.median(times[k]) / 1e9 / peak_gflops for k in (ours, "torch")}
+            label = name if side is None else f"{name} ({side.partition(':')[2]})"
+            row = (f"| {label} | {n_params / 1e6:.1f}M | {b} x {t} | {tps[ours]:,.0f} | {tps['torch']:,.0f} | "
+                   f"{tps[ours] / tps['torch']:.2f} | {mfu[ours]:.0f}% | {mfu['torch']:.0f}% | {peaks[ours]:,.0f} | "
+                   f"{peaks['torch']:,.0f} |")
+            print(row, flush=True)
+            rows.append(row)
     import jax
 
     env = (f"jax {jax.__version__} (cpu), torch {torch.__version__}, transformers {transformers.__version__}, "
            f"{platform.machine()}, {os.cpu_count()} CPU threads; fp32; median over {args.rounds} x {args.steps} "
-           "steps after 2 warm-up steps per worker; peak RSS is the whole worker process (libraries included).")
+           "steps after 2 warm-up steps per worker (1 round at 0.6b); peak RSS is the whole worker process "
+           f"(libraries included). GEMM peak: a 2048^3 fp32 matmul in JAX, measured before every round, median "
+           f"{statistics.median(peaks_gflops):.0f} GFLOP/s; % of peak = 6 N T / step time / peak (attention and "
+           "the optimizer not counted). Rows with an option in parentheses: ours with that ModelOptions field "
+           "changed from the default (its cost).")
     text = ("# RL update step: jaxrl_term (jax.jit) vs PyTorch eager (transformers Qwen3 + same loss + AdamW)\n\n"
             f"Tokens per second count every position of the batch. {env}\n\n"
             f"Reproduce: `.venv/bin/python experiments/bench/train_step.py`\n\n{header}\n" + "\n".join(rows) + "\n")

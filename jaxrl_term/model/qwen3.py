@@ -173,6 +173,7 @@ class ModelOptions:
     logits_chunk: int = 0  # sequence chunk for lm_head_map; 0 = whole sequence at once
     precision: str = "default"  # matmul precision of the body: default | high | highest
     unroll: bool = False  # unroll the layer / logit-chunk / microbatch loops (the planner's FLOP count)
+    flat_matmuls: bool = True  # [B, T] merged into one token axis for the layers' matmuls (decoder_layer.proj)
 
     def __post_init__(self):
         if self.remat != "none" and self.remat not in REMAT_POLICIES:
@@ -419,24 +420,38 @@ def decoder_layer(
     # parameter keeps its fully sharded layout); sequence-chunked blocks below reuse the gathered copy.
     pc = {k: shard.constrain(v.astype(cd), _gathered_axes(k)) for k, v in p.items()}
 
+    def proj(a: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+        """``einsum(spec)`` of activations [B, T, ...] with a weight. ``flat_matmuls``: the batch and time axes
+        merged into one token axis first, so every matmul and its two backward matmuls are plain 2-D GEMMs; with
+        [B, T] kept apart, XLA:CPU lays the weight gradient's operand out with a 3-D transpose fused into the
+        elementwise producer (strided reads: ~20% of the 100M update step on CPU, experiments/results/
+        train_step.md). Same numbers either way."""
+        if not opts.flat_matmuls:
+            return jnp.einsum(spec, a, w, precision=prec)
+        lhs, rest = spec.split(",")
+        rhs, out = rest.split("->")
+        b_, t_ = a.shape[:2]
+        y = jnp.einsum(f"s{lhs[2:]},{rhs}->s{out[2:]}", a.reshape(b_ * t_, *a.shape[2:]), w, precision=prec)
+        return y.reshape(b_, t_, *y.shape[1:])
+
     h = rms_norm(x, pc["input_layernorm"], eps)
-    q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"], precision=prec)
-    k = jnp.einsum("bth,hnd->btnd", h, pc["k_proj"], precision=prec)
-    v = jnp.einsum("bth,hnd->btnd", h, pc["v_proj"], precision=prec)
+    q = proj(h, pc["q_proj"], "bth,hnd->btnd")
+    k = proj(h, pc["k_proj"], "bth,hnd->btnd")
+    v = proj(h, pc["v_proj"], "bth,hnd->btnd")
     q = shard.constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
     k = shard.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
     q = apply_rope(rms_norm(q, pc["q_norm"], eps), cos, sin)
     k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
     o = attend(q, k, v, attn, opts, 1.0 / math.sqrt(cfg.head_dim), prec)
-    x = x + jnp.einsum("btnd,ndh->bth", o, pc["o_proj"], precision=prec)
+    x = x + proj(o, pc["o_proj"], "btnd,ndh->bth")
     x = shard.constrain(x, ACT)
 
     def mlp(xc):
         h = rms_norm(xc, pc["post_attention_layernorm"], eps)
-        gate = jnp.einsum("bth,hi->bti", h, pc["gate_proj"], precision=prec)
-        up = jnp.einsum("bth,hi->bti", h, pc["up_proj"], precision=prec)
+        gate = proj(h, pc["gate_proj"], "bth,hi->bti")
+        up = proj(h, pc["up_proj"], "bth,hi->bti")
         act = shard.constrain(jax.nn.silu(gate) * up, ("activation_batch", "activation_length", "activation_mlp"))
-        return jnp.einsum("bti,ih->bth", act, pc["down_proj"], precision=prec)
+        return proj(act, pc["down_proj"], "bti,ih->bth")
 
     x = x + sequence_chunked(mlp, x, opts.mlp_chunk, opts.unroll)
     return shard.constrain(x, ACT)

@@ -389,11 +389,16 @@ def make_train_step(
             m_acc = {k: (jnp.maximum(m_acc[k], v) if k == "logp_gap_max" else m_acc[k] + v) for k, v in sums.items()}
             return (grads, num_acc + num, m_acc), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        _, metric_shape = jax.eval_shape(numerator, params, jax.tree.map(lambda a: a[0], mb))
-        metric0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shape)
-        (grads, num, msum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), metric0), mb,
-                                             unroll=options.unroll or 1)
+        if mb.tokens.shape[0] == 1:  # one microbatch: its gradient is the batch's (no zeroed fp32 accumulator to
+            # write and add into: a model-sized pass less, ~3% of the 100M CPU step)
+            (_, (num, msum)), g = grad_fn(params, jax.tree.map(lambda a: a[0], mb))
+            grads = jax.tree.map(lambda b: b.astype(jnp.float32), g)
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            _, metric_shape = jax.eval_shape(numerator, params, jax.tree.map(lambda a: a[0], mb))
+            metric0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), metric_shape)
+            (grads, num, msum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32), metric0), mb,
+                                                 unroll=options.unroll or 1)
         grad_norm = optax.global_norm(grads)
         # Skip the update (params and optimizer state untouched: AdamW's momentum and decay would still move the
         # weights) when there is nothing to learn from: no loss token, no token with a non-zero advantage, or a
