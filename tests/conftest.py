@@ -39,6 +39,36 @@ def need(condition: bool, why: str) -> None:
     pytest.skip(why)
 
 
+def run_stacked(argv, *, timeout: float, env=None, **kw):
+    """``subprocess.run(argv, capture_output=True, text=True)``, but a child that runs past ``timeout`` is made
+    to print every thread's Python stack (faulthandler on SIGABRT) and the test fails with that and its log
+    tail, instead of a bare timeout: a rare hang then says where it was."""
+    import signal
+    import subprocess
+
+    env = {**(os.environ if env is None else env), "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # not even SIGABRT: a process stuck in the kernel (state, wait channel)
+            proc.kill()
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+            import pathlib
+
+            status = pathlib.Path(f"/proc/{proc.pid}/status")
+            err = (err or "") + (status.read_text() if status.exists() else "")
+        pytest.fail(f"{' '.join(map(str, argv[:4]))} ... ran past {timeout:.0f}s; its stacks and log:\n"
+                    f"{(err or '')[-20000:]}\n--- stdout ---\n{(out or '')[-3000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     from jaxrl_term.sandbox.images import DockerUnavailable, docker_client

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import REPO
+from conftest import REPO, run_stacked
 from helpers import SessionEngine
 from jaxrl_term.config import register
 
@@ -70,10 +70,9 @@ def test_cluster_presets_fit_their_hardware(name, tmp_path):
     assert all(s["kv_tokens"] >= s["context"] for s in plan["servers"])  # at least one full context per server
 
 
-def _train(args, cwd=REPO, timeout=900, **popen):
+def _train(args, cwd=REPO, timeout=600, **popen):
     env = {**os.environ, "XLA_FLAGS": ""}
-    return subprocess.run([sys.executable, "-m", "jaxrl_term.train", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env, **popen)
+    return run_stacked([sys.executable, "-m", "jaxrl_term.train", *args], cwd=cwd, timeout=timeout, env=env, **popen)
 
 
 def test_bad_config_fails_before_any_work_naming_the_key(tmp_path):
@@ -130,21 +129,21 @@ def test_sigkill_then_resume_continues_with_the_same_tasks_and_params(tmp_path):
     common = [*QUICK, "trainer.steps=3", "trainer.checkpoint_every=1", "trainer.deterministic_engine=true",
               "trainer.log_param_digest=true", "data.curriculum.enabled=true"]
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
-    a = _train([*common, f"run_dir={a_dir}"])
+    a = _train([*common, f"run_dir={a_dir}"], timeout=280)  # ~30 s each here; three runs within the test's 900 s
     assert a.returncode == 0, a.stderr[-3000:]
     env = {**os.environ, "XLA_FLAGS": ""}
     b = subprocess.Popen([sys.executable, "-m", "jaxrl_term.train", *common, f"run_dir={b_dir}"], cwd=REPO, env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt = b_dir / "checkpoints" / "1"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + 280
     while not (ckpt.is_dir() and any(ckpt.iterdir())) and b.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)  # let the asynchronous checkpoint commit
     os.killpg(b.pid, signal.SIGKILL)
-    b.wait()
+    b.wait(timeout=60)
     steps_before = [json.loads(x)["step"] for x in (b_dir / "metrics.jsonl").read_text().splitlines()]
     assert 0 in steps_before and 2 not in steps_before  # it really died mid-run
-    b2 = _train([*common, f"run_dir={b_dir}"])
+    b2 = _train([*common, f"run_dir={b_dir}"], timeout=280)
     assert b2.returncode == 0, b2.stderr[-3000:]
     am = {m["step"]: m for m in map(json.loads, (a_dir / "metrics.jsonl").read_text().splitlines())}
     bm = [json.loads(x) for x in (b_dir / "metrics.jsonl").read_text().splitlines()]

@@ -39,6 +39,8 @@ CONFIGS = {
 BATCH = {"tiny": (8, 256), "100m": (4, 256), "0.6b": (2, 128)}
 # ours with one ModelOptions field changed from the default: what that option costs (a row of its own)
 VARIANTS = {"flat_matmuls=false": {"flat_matmuls": False}}
+# an environment row: both sides without glibc's huge-page malloc (its worth; jaxrl_term/utils/hugepages.py)
+NO_HUGEPAGES = "malloc huge pages off, both sides"
 EPS_LOW, EPS_HIGH, LR = 0.2, 0.28, 1e-6
 
 
@@ -131,11 +133,24 @@ def gemm_peak(n: int = 2048, reps: int = 10) -> float:
     return 2 * n ** 3 / statistics.median(ts) / 1e9
 
 
-def run_worker(side: str, name: str, ckpt: str, steps: int, variant: str = "") -> tuple[list[float], float]:
+def worker_env(hugepages: bool) -> dict[str, str]:
+    """The environment of a worker: with ``glibc.malloc.hugetlb=1`` (as our entry points run, see
+    jaxrl_term/utils/hugepages.py; given to both sides alike) or without it (the environment rows)."""
+    from jaxrl_term.utils import hugepages as hp
+
+    env = {k: v for k, v in os.environ.items() if k != hp.OPT_OUT}
+    if hugepages:
+        return hp.tuned_env(env) if hp.wanted(env) else env
+    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and not t.startswith(hp.TUNABLE)]
+    return {**env, **({"GLIBC_TUNABLES": ":".join(tunables)} if tunables else {})}
+
+
+def run_worker(side: str, name: str, ckpt: str, steps: int, variant: str = "", hugepages: bool = True
+               ) -> tuple[list[float], float]:
     out = subprocess.run(
         [sys.executable, __file__, "--worker", side, "--config", name, "--ckpt", ckpt, "--steps", str(steps)]
         + (["--variant", variant] if variant else []) + (["--peak"] if side == "peak" else []),
-        capture_output=True, text=True, check=False,
+        capture_output=True, text=True, check=False, env=worker_env(hugepages),
     )
     if out.returncode != 0:
         raise RuntimeError(f"{side} worker failed:\n{out.stderr[-3000:]}")
@@ -150,6 +165,8 @@ def main() -> None:
     ap.add_argument("--configs", default="tiny,100m,0.6b")
     ap.add_argument("--variants", default="flat_matmuls=false", help="ours with an option changed, on 100m")
     ap.add_argument("--variant", default="")
+    ap.add_argument("--no-hugepages-row", dest="hugepages_row", action="store_false",
+                    help="skip the 100m row with glibc's huge-page malloc off on both sides")
     ap.add_argument("--peak", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "train_step.md"))
     ap.add_argument("--worker", choices=["ours", "torch", "peak"])
@@ -184,30 +201,37 @@ def main() -> None:
             hf.save_pretrained(d)
             del hf
             sides = ["ours", "torch"] + ([f"ours:{v}" for v in variants] if name == "100m" else [])
+            if name == "100m" and args.hugepages_row:
+                sides += ["ours@off", "torch@off"]
             times = {k: [] for k in sides}
             peaks = {k: 0.0 for k in sides}
             rounds = 1 if name == "0.6b" else args.rounds  # minutes per step pair at 0.6B on 2 cores
             for _ in range(rounds):
                 peaks_gflops.append(run_worker("peak", name, d, 0)[0][0])
                 for side in sides:
-                    kind, _, variant = side.partition(":")
-                    t, peak = run_worker(kind, name, d, args.steps, variant)
+                    spec, _, env = side.partition("@")
+                    kind, _, variant = spec.partition(":")
+                    t, peak = run_worker(kind, name, d, args.steps, variant, hugepages=env != "off")
                     times[side] += t
                     peaks[side] = max(peaks[side], peak)
         b, t = BATCH[name]
         peak_gflops = statistics.median(peaks_gflops)
         flops = 6 * n_params * b * t  # 6 N T: forward + backward of the dense weights (attention not counted)
-        for side in [None] + sides[2:]:
-            ours = side or "ours"
-            tps = {k: b * t / statistics.median(times[k]) for k in (ours, "torch")}
-            mfu = {k: 100 * flops / statistics.median(times[k]) / 1e9 / peak_gflops for k in (ours, "torch")}
-            label = name if side is None else f"{name} ({side.partition(':')[2]})"
-            row = (f"| {label} | {n_params / 1e6:.1f}M | {b} x {t} | {tps[ours]:,.0f} | {tps['torch']:,.0f} | "
-                   f"{tps[ours] / tps['torch']:.2f} | {mfu[ours]:.0f}% | {mfu['torch']:.0f}% | {peaks[ours]:,.0f} | "
-                   f"{peaks['torch']:,.0f} |")
+        pairs = [(name, "ours", "torch")] + [(f"{name} ({s.partition(':')[2]})", s, "torch")
+                                             for s in sides if s.startswith("ours:")]
+        if "ours@off" in sides:
+            pairs.append((f"{name} ({NO_HUGEPAGES})", "ours@off", "torch@off"))
+        for label, ours, peer in pairs:
+            tps = {k: b * t / statistics.median(times[k]) for k in (ours, peer)}
+            mfu = {k: 100 * flops / statistics.median(times[k]) / 1e9 / peak_gflops for k in (ours, peer)}
+            row = (f"| {label} | {n_params / 1e6:.1f}M | {b} x {t} | {tps[ours]:,.0f} | {tps[peer]:,.0f} | "
+                   f"{tps[ours] / tps[peer]:.2f} | {mfu[ours]:.0f}% | {mfu[peer]:.0f}% | {peaks[ours]:,.0f} | "
+                   f"{peaks[peer]:,.0f} |")
             print(row, flush=True)
             rows.append(row)
     import jax
+
+    from jaxrl_term.utils.hugepages import thp_mode
 
     env = (f"jax {jax.__version__} (cpu), torch {torch.__version__}, transformers {transformers.__version__}, "
            f"{platform.machine()}, {os.cpu_count()} CPU threads; fp32; median over {args.rounds} x {args.steps} "
@@ -215,7 +239,9 @@ def main() -> None:
            f"(libraries included). GEMM peak: a 2048^3 fp32 matmul in JAX, measured before every round, median "
            f"{statistics.median(peaks_gflops):.0f} GFLOP/s; % of peak = 6 N T / step time / peak (attention and "
            "the optimizer not counted). Rows with an option in parentheses: ours with that ModelOptions field "
-           "changed from the default (its cost).")
+           "changed from the default (its cost). Both sides run with glibc's `glibc.malloc.hugetlb=1` (our entry "
+           "points set it: jaxrl_term/utils/hugepages.py), except in the row that turns it off on both sides "
+           f"(kernel THP mode: {thp_mode()}).")
     text = ("# RL update step: jaxrl_term (jax.jit) vs PyTorch eager (transformers Qwen3 + same loss + AdamW)\n\n"
             f"Tokens per second count every position of the batch. {env}\n\n"
             f"Reproduce: `.venv/bin/python experiments/bench/train_step.py`\n\n{header}\n" + "\n".join(rows) + "\n")
