@@ -274,6 +274,57 @@ def test_exec_feeds_stdin_and_runs_the_host_python_and_pytest(tmp_path):
     run(_with(go))
 
 
+SPAWN_PROBE = r"""
+import asyncio, os, signal, sys, threading
+forks = []
+os.register_at_fork(before=lambda: forks.append(1))  # runs on any fork() that runs Python (os.fork, preexec_fn)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the spawning thread's mask must not reach the sandbox
+signal.signal(signal.SIGQUIT, signal.SIG_IGN)  # nor an ignored disposition
+from jaxrl_term.sandbox.base import open_sandbox
+
+async def go():
+    async with open_sandbox("local") as sb:
+        shell = await sb.run("grep -E '^Sig(Blk|Ign)' /proc/self/status")
+        ex = await sb.exec(["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"])
+        await sb.write_file("/app/x", b"data")
+        back = await sb.read_file("/app/x")
+        return shell.output, ex.output, back
+
+print(repr(asyncio.run(go())), len(forks))
+"""
+
+
+def test_sandbox_processes_are_spawned_without_python_in_a_fork_of_the_trainer():
+    """Spawning runs no Python between fork and exec in the (multithreaded) trainer: a ``preexec_fn`` forks with
+    every library's atfork handlers and the GIL held, a rare deadlock that froze the event loop. The sandbox's
+    processes still start with no blocked or ignored signals (SIGPIPE and SIGXFSZ included), whatever the
+    spawning thread had."""
+    out = subprocess.run([sys.executable, "-c", SPAWN_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shell, ex, back = eval(out.stdout.rsplit(" ", 1)[0])  # noqa: S307 - our own probe's repr
+    forks = int(out.stdout.rsplit(" ", 1)[1])
+    assert forks == 0, out.stdout
+    for status in (ex,):  # a command started directly (exec): exactly what the spawn gave it
+        assert "SigBlk:\t0000000000000000" in status and "SigIgn:\t0000000000000000" in status, status
+    assert "SigBlk:\t0000000000000000" in shell, shell  # the agent's shell: nothing blocked
+    assert back == b"data"
+
+
+def test_a_confinement_that_cannot_be_applied_fails_loudly_before_the_command(tmp_path):
+    """The spawn hop (``Confinement.exec_prefix``) never runs the command unconfined: a cgroup it cannot join is
+    exit 125 with the reason, and the command never ran."""
+    marker = tmp_path / "ran"
+    bad = cf.Confinement("cgroup2", 64, 256 << 20, None, (str(tmp_path / "no-such-cgroup"),))
+    out = subprocess.run([*bad.exec_prefix(), "/bin/sh", "-c", f"touch {marker}"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 125 and "jaxrl_term confine: FileNotFoundError" in out.stderr, out
+    assert not marker.exists()
+    ok = cf.Confinement("uid", 64, 256 << 20, None, ())
+    out = subprocess.run([*ok.exec_prefix(), "/bin/sh", "-c", "ulimit -v; echo $$"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.split()[0] == str(256 << 10), out  # RLIMIT_AS in KiB
+
+
 def test_sixteen_concurrent_sandboxes_twenty_commands_each():
     from jaxrl_term.sandbox.base import SandboxPool
 

@@ -28,7 +28,6 @@ import errno
 import functools
 import logging
 import os
-import resource
 import signal
 import time
 from pathlib import Path
@@ -55,6 +54,40 @@ def _write(path: Path, value: str) -> None:
         os.write(fd, value.encode())
     finally:
         os.close(fd)
+
+
+# Runs as its own process (``Confinement.exec_prefix``), as root when the sandbox has a dedicated uid: the signal
+# state a fresh terminal would give (a blocked mask and ignored dispositions pass through exec: a SIGINT blocked in
+# the trainer's thread, or ignored by a ``nohup``/background launch, would make every ``kill -INT`` a no-op and
+# every timeout a SIGKILL; Python itself ignores SIGPIPE and SIGXFSZ), then join the cgroups, set the rlimits and
+# drop to the dedicated uid, in that order; then exec the command. A failure exits 125 with the reason on stderr.
+_HOP = r"""
+import posix, resource, sys, _signal as sg
+try:
+    sep = sys.argv.index("--")
+    memory, pids, uid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    cgroups, argv = sys.argv[4:sep], sys.argv[sep + 1:]
+    sg.pthread_sigmask(sg.SIG_SETMASK, [])
+    for sig in (sg.SIGINT, sg.SIGQUIT, sg.SIGTERM, sg.SIGHUP, sg.SIGPIPE, sg.SIGXFSZ):
+        sg.signal(sig, sg.SIG_DFL)
+    for d in cgroups:
+        fd = posix.open(d + "/cgroup.procs", posix.O_WRONLY)
+        try:
+            posix.write(fd, b"0")
+        finally:
+            posix.close(fd)
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    if uid:
+        resource.setrlimit(resource.RLIMIT_NPROC, (pids, pids))
+        posix.setgroups([])
+        posix.setresgid(int(uid), int(uid), int(uid))
+        posix.setresuid(int(uid), int(uid), int(uid))
+    posix.execv(argv[0], argv)
+except BaseException as e:
+    sys.stderr.write("jaxrl_term confine: %s: %s\n" % (type(e).__name__, e))
+    sys.stderr.flush()
+    posix._exit(125)
+"""
 
 
 def _read(path: Path) -> str:
@@ -219,7 +252,7 @@ def _kill(pids) -> None:
 
 @dataclasses.dataclass
 class Confinement:
-    """One sandbox's limits. ``preexec`` runs in the forked child before it execs bubblewrap."""
+    """One sandbox's limits. ``exec_prefix`` applies them to a process on its way to exec bubblewrap."""
 
     kind: str
     pids: int
@@ -275,25 +308,23 @@ class Confinement:
         return cls(rec["kind"], rec["pids"], rec["memory_bytes"], rec.get("host_uid"), tuple(rec.get("cgroups", ())))
 
     # -- in the child -----------------------------------------------------------------------------
-    def preexec(self) -> None:
-        """Join the cgroups, set the rlimits, drop to the dedicated uid (in that order: as root). First the
-        signal state a fresh terminal would give: a mask and ignored dispositions are inherited through
-        fork and exec, so a SIGINT the trainer's thread had blocked (a native library's thread, a
-        ``nohup``/background launch) would make ``kill -INT`` a no-op and every timeout a SIGKILL (137, not 130)."""
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (ValueError, OSError):  # not this interpreter's main thread: the mask is the usual leak
-                pass
-        for d in self.cgroups:
-            _write(Path(d) / "cgroup.procs", "0")
-        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-        if self.host_uid is not None:
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.pids, self.pids))
-            os.setgroups([])
-            os.setresgid(self.host_uid, self.host_uid, self.host_uid)
-            os.setresuid(self.host_uid, self.host_uid, self.host_uid)
+    def exec_prefix(self) -> list[str]:
+        """The argv to put in front of bubblewrap's: a fresh, single-threaded interpreter (``python -I -S``) that
+        sets the sandbox's signal state, cgroups, rlimits and uid (``_HOP``), then execs the rest of the argv in
+        the same process (same pid: bwrap's ``--die-with-parent`` still watches the trainer).
+
+        Never a ``preexec_fn``: that runs Python in a fork of the trainer, a process with dozens of native
+        threads (XLA, orbax/tensorstore, tokenizers, OpenBLAS), after ``fork()`` has run every library's
+        ``pthread_atfork`` handlers while holding the GIL; a handler waiting for a lock that a thread waiting
+        for the GIL holds deadlocks the fork, and with it the event loop that called it (asyncio spawns
+        synchronously): the whole run stops with no log line. Without ``preexec_fn`` the spawn is a
+        ``vfork``/exec with no Python and no handlers in between. Costs one interpreter start (~10 ms) per
+        sandbox process (the shell, ``exec`` calls); only builtin modules are loaded."""
+        import sys
+
+        uid = "" if self.host_uid is None else str(self.host_uid)
+        return [sys.executable, "-I", "-S", "-c", _HOP, str(self.memory_bytes), str(self.pids), uid, *self.cgroups,
+                "--"]
 
     # -- from the host ----------------------------------------------------------------------------
     def members(self) -> list[int]:

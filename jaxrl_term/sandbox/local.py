@@ -217,8 +217,9 @@ class LocalSandbox:
     async def _probe(self) -> None:
         """Start one sandbox process to turn bwrap's failures (user namespaces refused) into a clear error."""
         proc = await asyncio.create_subprocess_exec(
-            *self._argv(["true"], uid=SANDBOX_UID), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, preexec_fn=self.confine.preexec,
+            *self.confine.exec_prefix(), *self._argv(["true"], uid=SANDBOX_UID),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env=self._host_env())
         _, err = await proc.communicate()
         if proc.returncode != 0:
@@ -285,8 +286,9 @@ class LocalSandbox:
         ours, theirs = socket.socketpair()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(argv, uid=SANDBOX_UID, env={"LD_PRELOAD": toolkit.NODUMP}, as_pid_1=True), stdin=theirs,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self.confine.preexec,
+                *self.confine.exec_prefix(), *self._argv(argv, uid=SANDBOX_UID, env={"LD_PRELOAD": toolkit.NODUMP},
+                                                         as_pid_1=True), stdin=theirs,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True, env=self._host_env())
         except BaseException:
             ours.close()
@@ -304,9 +306,9 @@ class LocalSandbox:
         (the same host uid as the agent's, no capabilities), in the sandbox's limits."""
         t0 = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            *self._argv(argv, uid=0, workdir=workdir, env=env),
+            *self.confine.exec_prefix(), *self._argv(argv, uid=0, workdir=workdir, env=env),
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self.confine.preexec,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             start_new_session=True, env=self._host_env())
         cap = OutputCapture(self.limits.max_output_bytes)
         timed_out = False
@@ -418,8 +420,9 @@ class LocalSandbox:
     async def _read_inside(self, path: str) -> bytes:
         """A file outside the writable directories, read by ``cat`` in the sandbox as the agent."""
         proc = await asyncio.create_subprocess_exec(
-            *self._argv(["cat", "--", path], uid=SANDBOX_UID), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=self.confine.preexec,
+            *self.confine.exec_prefix(), *self._argv(["cat", "--", path], uid=SANDBOX_UID),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, env=self._host_env())
         out, err = await proc.communicate()
         if proc.returncode != 0:
