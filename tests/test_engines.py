@@ -306,6 +306,8 @@ def test_tls_and_ssh_engines_run_the_shell_files_stdin_and_the_verifier(tls_engi
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
     monkeypatch.setenv("FAKE_SSH_DOCKER_HOST", tls_engine["url"])
+    # the engines met here are gone after the test (the stand-in ssh with its PATH): not reaped at this process's exit
+    monkeypatch.setattr("jaxrl_term.sandbox.docker._own_engines", {})
     tls = {"url": tls_engine["tcp_url"], "tls_verify": True, "ca_cert": tls_engine["ca_cert"],
            "client_cert": tls_engine["client_cert"], "client_key": tls_engine["client_key"], "name": "tls"}
     assert EnginePool([tls]).engines[0].ping()

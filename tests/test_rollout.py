@@ -502,3 +502,34 @@ def test_multi_step_decode_equals_single_steps_and_stops_inside_a_call(model_dir
         assert stopped.finish_reason == "stop" and stopped.output_ids == greedy[: greedy.index(stop_at) + 1]
     finally:
         single.close()
+
+
+def test_launched_servers_die_with_the_trainer():
+    """A server started through the launcher's hop gets SIGKILL when the process that started it dies (here by
+    SIGKILL, so nothing of its own cleanup runs), and the hop runs the command itself (same pid, its output)."""
+    import subprocess
+
+    code = """
+import os, subprocess, sys
+from jaxrl_term.rollout.launcher import _die_with_parent
+echo = subprocess.run([*_die_with_parent(), "echo", "hop ok"], capture_output=True, text=True)
+p = subprocess.Popen([*_die_with_parent(), "sleep", "120"], start_new_session=True)
+print(echo.stdout.strip(), "|", p.pid, flush=True)
+os.kill(os.getpid(), 9)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    said, pid = out.stdout.split("|")
+    assert said.strip() == "hop ok"
+    pid = int(pid)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the server {pid} outlived its trainer")

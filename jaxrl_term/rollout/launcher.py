@@ -11,7 +11,6 @@ trainer's log-probs are temperature-scaled over the full vocabulary, SGLang's de
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
 import ipaddress
 import logging
@@ -22,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -62,22 +60,24 @@ def default_advertise_host() -> str:
     return socket.gethostname()
 
 
-def _die_with_parent():
-    """A ``preexec_fn`` (Linux): the child gets SIGKILL when the thread that started it dies."""
+# Exec'd in front of a server's command (Linux): SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG,
+# kept across exec), or at once if the trainer is already gone; then the server runs in this same process.
+_PDEATHSIG_HOP = r"""
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, 9)
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), 9)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _die_with_parent() -> list[str]:
+    """The argv to put in front of a server's command so it dies with the trainer (Linux; elsewhere nothing).
+    A fresh interpreter does it, never a ``preexec_fn``: that forks the multithreaded trainer with every
+    library's atfork handlers run while the GIL is held, a rare deadlock (see sandbox/confine.py)."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
+        return []
+    return [sys.executable, "-I", "-S", "-c", _PDEATHSIG_HOP, str(os.getpid())]
 
 
 class SGLangLauncher:
@@ -150,14 +150,11 @@ class SGLangLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if threading.current_thread() is not threading.main_thread():
             log.warning("SGLangLauncher.start() outside the main thread: servers get SIGKILL when this thread ends")
-        preexec = _die_with_parent()
+        hop = _die_with_parent()
         for s in self.servers:
-            with open(self.log_dir / f"server-{s.port}.log", "ab") as logf, warnings.catch_warnings():
-                # a preexec_fn means fork() rather than vfork(); JAX warns about forking a threaded process, but
-                # the child only arms the signal and execs, touching no lock another thread could hold
-                warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-                self.procs.append(subprocess.Popen(self.command(s), stdout=logf, stderr=subprocess.STDOUT,
-                                                   env=self.env(s), start_new_session=True, preexec_fn=preexec))
+            with open(self.log_dir / f"server-{s.port}.log", "ab") as logf:
+                self.procs.append(subprocess.Popen([*hop, *self.command(s)], stdout=logf, stderr=subprocess.STDOUT,
+                                                   env=self.env(s), start_new_session=True))
         return self.urls
 
     async def wait_ready(self, deadline_s: float = 900.0) -> None:

@@ -165,6 +165,7 @@ def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> 
 
 
 _reaped_at_startup: set[str] = set()  # engines reaped by this process
+_own_engines: dict[str, object] = {}  # engine URL -> client: where _reap_own_all looks at exit
 _quota: dict[str, bool] = {}  # engine -> disk quota supported
 
 
@@ -187,6 +188,12 @@ def _reap_own(cl=None) -> None:
                 pass
     except Exception:  # noqa: BLE001 - best effort at exit: the next start-up's reap catches the rest
         pass
+
+
+def _reap_own_all() -> None:
+    """At interpreter exit: ``_reap_own`` on every engine this process created sandboxes on."""
+    for cl in list(_own_engines.values()):
+        _reap_own(cl)
 
 
 def _storage_quota_supported(cl, key: str = "") -> bool:
@@ -434,9 +441,11 @@ class DockerSandbox:
         if where not in _reaped_at_startup:  # once per engine: what killed runs left there
             _reaped_at_startup.add(where)
             await _call(reap, client_=client())
-            import atexit
+            if not _own_engines:
+                import atexit
 
-            atexit.register(_reap_own, client())
+                atexit.register(_reap_own_all)
+            _own_engines[where] = client()
         all_labels = {LABEL_TRAJ: uuid.uuid4().hex[:16], **owner_labels(), **(labels or {})}
         engine_client = client()
         import docker

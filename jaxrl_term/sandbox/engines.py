@@ -335,7 +335,7 @@ class EnginePool:
             peers = [e.client for e in self.engines if e is not engine and e.healthy]
             peers.append(default_client)
             for spec in BASE_IMAGES.values():
-                if ensure_base_image(engine.client(), spec.name, peers):
+                if ensure_image(engine.client(), spec.name, peers):
                     continue
                 if engine.tls or engine.url.startswith("ssh://"):
                     raise SandboxError(f"Docker engine {engine.name} ({engine.url}) has no {spec.name} and no peer "
@@ -360,7 +360,7 @@ class EnginePool:
             if name in engine.prebuilt:
                 return
             peers = [e.client for e in self.engines if e is not engine and e.healthy] + [default_client]
-            if not ensure_base_image(engine.client(), name, peers):
+            if not ensure_image(engine.client(), name, peers):
                 raise SandboxError(f"image {name!r} is on no Docker engine of sandbox.docker.hosts (nothing is "
                                    f"pulled): load or build it on one of them, e.g. `docker -H {engine.url} load`")
             engine.prebuilt.add(name)
@@ -392,7 +392,7 @@ def current() -> Engine | None:
     return CURRENT.get()
 
 
-def ensure_base_image(engine_client: Any, name: str, peers: Sequence[Any]) -> bool:
+def ensure_image(engine_client: Any, name: str, peers: Sequence[Any]) -> bool:
     """``name`` (a base image, or any image that is never pulled) on the engine of ``engine_client``: copied from
     the first peer engine that has it, streamed ``save -> load`` through the API. A copy already there is kept
     unless the peer's carries another recipe (the ``jaxrl_term.recipe`` label ``images.py`` sets: a stale base
@@ -460,9 +460,41 @@ def local_daemon(root: str | None = None, wait_s: float = 90.0, *, tls: bool = F
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+        _kill_leftovers(root)
         subprocess.run(["bash", "-c", f"grep -o ' {root}[^ ]*' /proc/mounts | sort -r | xargs -r umount -l"],
                        capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _kill_leftovers(root: str) -> int:
+    """SIGKILL what a daemon on ``root`` leaves running when it was SIGKILLed itself (a stopped daemon takes its
+    containers down; a killed one cannot): processes whose command line names ``root`` (containerd, its
+    ``containerd-shim``s) and every descendant of theirs (the containers' processes). Returns how many."""
+    import signal
+
+    parent: dict[int, int] = {}
+    named: set[int] = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if root.encode() in f.read():
+                    named.add(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    doomed = set(named) - {os.getpid()}
+    grew = True
+    while grew:  # descendants, to any depth
+        more = {pid for pid, pp in parent.items() if pp in doomed and pid not in doomed}
+        grew = bool(more)
+        doomed |= more
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return len(doomed)
 
 
 def restart(state: dict, wait_s: float = 90.0) -> None:
