@@ -63,8 +63,12 @@ def default_advertise_host() -> str:
 # Exec'd in front of a server's command (Linux): SIGKILL when the thread that started it dies (PR_SET_PDEATHSIG,
 # kept across exec), or at once if the trainer is already gone; then the server runs in this same process.
 _PDEATHSIG_HOP = r"""
-import ctypes, os, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, 9)
+import os, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)
+except (ImportError, OSError, AttributeError):  # no prctl: the server runs on without it, as it would elsewhere
+    pass
 if os.getppid() != int(sys.argv[1]):
     os.kill(os.getpid(), 9)
 os.execvp(sys.argv[2], sys.argv[2:])

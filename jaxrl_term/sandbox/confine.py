@@ -60,16 +60,24 @@ def _write(path: Path, value: str) -> None:
 # state a fresh terminal would give (a blocked mask and ignored dispositions pass through exec: a SIGINT blocked in
 # the trainer's thread, or ignored by a ``nohup``/background launch, would make every ``kill -INT`` a no-op and
 # every timeout a SIGKILL; Python itself ignores SIGPIPE and SIGXFSZ), then join the cgroups, set the rlimits and
-# drop to the dedicated uid, in that order; then exec the command. A failure exits 125 with the reason on stderr.
+# drop to the dedicated uid, in that order; then, if the trainer that started it still lives (bwrap's
+# ``--die-with-parent`` watches the parent it finds), exec the command with PATH as its only variable (the
+# interpreter adds LC_CTYPE to its own environment in the C locale; the hop's loader variables stop here too).
+# A failure exits 125 with the reason on stderr, before the command runs.
 _HOP = r"""
 import posix, resource, sys, _signal as sg
 try:
     sep = sys.argv.index("--")
-    memory, pids, uid = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    cgroups, argv = sys.argv[4:sep], sys.argv[sep + 1:]
+    parent, memory, pids, uid = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    cgroups, argv = sys.argv[5:sep], sys.argv[sep + 1:]
     sg.pthread_sigmask(sg.SIG_SETMASK, [])
-    for sig in (sg.SIGINT, sg.SIGQUIT, sg.SIGTERM, sg.SIGHUP, sg.SIGPIPE, sg.SIGXFSZ):
-        sg.signal(sig, sg.SIG_DFL)
+    for sig in range(1, sg.NSIG):
+        if sig not in (sg.SIGKILL, sg.SIGSTOP):
+            try:
+                if sg.getsignal(sig) in (sg.SIG_IGN, sg.default_int_handler):
+                    sg.signal(sig, sg.SIG_DFL)
+            except (OSError, ValueError):
+                pass
     for d in cgroups:
         fd = posix.open(d + "/cgroup.procs", posix.O_WRONLY)
         try:
@@ -82,7 +90,9 @@ try:
         posix.setgroups([])
         posix.setresgid(int(uid), int(uid), int(uid))
         posix.setresuid(int(uid), int(uid), int(uid))
-    posix.execv(argv[0], argv)
+    if posix.getppid() != parent:
+        raise RuntimeError("the trainer that started this sandbox process is gone")
+    posix.execve(argv[0], argv, {b"PATH": posix.environ[b"PATH"]})
 except BaseException as e:
     sys.stderr.write("jaxrl_term confine: %s: %s\n" % (type(e).__name__, e))
     sys.stderr.flush()
@@ -319,12 +329,12 @@ class Confinement:
         for the GIL holds deadlocks the fork, and with it the event loop that called it (asyncio spawns
         synchronously): the whole run stops with no log line. Without ``preexec_fn`` the spawn is a
         ``vfork``/exec with no Python and no handlers in between. Costs one interpreter start (~10 ms) per
-        sandbox process (the shell, ``exec`` calls); only builtin modules are loaded."""
+        sandbox process (the shell, ``exec`` calls; no module beyond ``posix``, ``_signal`` and ``resource``)."""
         import sys
 
         uid = "" if self.host_uid is None else str(self.host_uid)
-        return [sys.executable, "-I", "-S", "-c", _HOP, str(self.memory_bytes), str(self.pids), uid, *self.cgroups,
-                "--"]
+        return [sys.executable, "-I", "-S", "-c", _HOP, str(os.getpid()), str(self.memory_bytes), str(self.pids), uid,
+                *self.cgroups, "--"]
 
     # -- from the host ----------------------------------------------------------------------------
     def members(self) -> list[int]:

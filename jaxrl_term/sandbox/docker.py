@@ -166,6 +166,7 @@ def reap(*, all_runs: bool = False, run_id: str | None = None, client_=None) -> 
 
 _reaped_at_startup: set[str] = set()  # engines reaped by this process
 _own_engines: dict[str, object] = {}  # engine URL -> client: where _reap_own_all looks at exit
+_atexit_registered = False
 _quota: dict[str, bool] = {}  # engine -> disk quota supported
 
 
@@ -440,12 +441,14 @@ class DockerSandbox:
         where = engine.url if engine is not None else ""  # by URL: two pools may both name an engine e0
         if where not in _reaped_at_startup:  # once per engine: what killed runs left there
             _reaped_at_startup.add(where)
-            await _call(reap, client_=client())
-            if not _own_engines:
+            global _atexit_registered
+            if not _atexit_registered:
                 import atexit
 
                 atexit.register(_reap_own_all)
-            _own_engines[where] = client()
+                _atexit_registered = True
+            _own_engines[where] = client()  # before the reap: a failed reap does not leave the engine out at exit
+            await _call(reap, client_=client())
         all_labels = {LABEL_TRAJ: uuid.uuid4().hex[:16], **owner_labels(), **(labels or {})}
         engine_client = client()
         import docker

@@ -468,9 +468,16 @@ def local_daemon(root: str | None = None, wait_s: float = 90.0, *, tls: bool = F
 
 def _kill_leftovers(root: str) -> int:
     """SIGKILL what a daemon on ``root`` leaves running when it was SIGKILLed itself (a stopped daemon takes its
-    containers down; a killed one cannot): processes whose command line names ``root`` (containerd, its
-    ``containerd-shim``s) and every descendant of theirs (the containers' processes). Returns how many."""
+    containers down; a killed one cannot): processes with an argument that is ``root`` or a path under it (or
+    ``--flag=`` one: containerd, its ``containerd-shim``s) and every descendant of theirs (the containers'
+    processes); never this process or its ancestors. Returns how many."""
     import signal
+
+    under = root.rstrip("/") + "/"
+
+    def names_root(arg: bytes) -> bool:
+        a = arg.decode(errors="replace").rpartition("=")[2]
+        return a == root.rstrip("/") or a.startswith(under)
 
     parent: dict[int, int] = {}
     named: set[int] = set()
@@ -481,16 +488,20 @@ def _kill_leftovers(root: str) -> int:
             with open(f"/proc/{d}/stat") as f:
                 parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                if root.encode() in f.read():
+                if any(names_root(a) for a in f.read().split(b"\0") if a):
                     named.add(int(d))
         except (OSError, ValueError, IndexError):
             continue
-    doomed = set(named) - {os.getpid()}
+    doomed = set(named)
     grew = True
     while grew:  # descendants, to any depth
         more = {pid for pid, pp in parent.items() if pp in doomed and pid not in doomed}
         grew = bool(more)
         doomed |= more
+    me = os.getpid()
+    while me > 1:  # this process and its ancestors stay, whatever their command lines say
+        doomed.discard(me)
+        me = parent.get(me, 0)
     for pid in doomed:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)

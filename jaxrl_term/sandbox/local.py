@@ -225,11 +225,16 @@ class LocalSandbox:
         if proc.returncode != 0:
             msg = err.decode(errors="replace").strip()
             userns = ("namespace", "uid map", "setting up uid", "Operation not permitted")
-            hint = USERNS_HINT if any(w in msg for w in userns) else ""
+            hint = USERNS_HINT if any(w in msg for w in userns) and "jaxrl_term confine:" not in msg else ""
             raise SandboxError(f"bubblewrap could not start the local sandbox: {msg}" + (f" ({hint})" if hint else ""))
 
     def _host_env(self) -> dict[str, str]:
-        return {"PATH": CLEAN_PATH}  # bwrap passes its environment on: none of the host's variables reach the agent
+        """The spawn hop's environment. It passes PATH alone on to bwrap (which passes its environment on: none
+        of the host's variables reach the agent); the hop's own interpreter may need the loader's path."""
+        env = {"PATH": CLEAN_PATH}
+        if os.environ.get("LD_LIBRARY_PATH"):
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        return env
 
     def _argv(self, command: list[str], *, uid: int, workdir: str | None = None,
               env: dict[str, str] | None = None, as_pid_1: bool = False) -> list[str]:
