@@ -6,9 +6,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from conftest import REPO
+from conftest import REPO, need
 from jaxrl_term.utils import hugepages
 
 # malloc and touch 4 x 64 MiB (fresh mmaps: glibc's threshold tops out at 32 MiB), count the page faults
@@ -45,8 +43,8 @@ def _probe(env_extra: dict[str, str], argv: list[str] | None = None):
 
 
 def test_reexec_takes_effect_restores_the_environment_and_can_be_turned_off():
-    if not hugepages.wanted({}):
-        pytest.skip(f"glibc {hugepages.glibc_version()} / THP mode {hugepages.thp_mode()}: nothing to re-execute")
+    need(hugepages.wanted({}),
+         f"glibc >= 2.35 and THP madvise/always (here glibc {hugepages.glibc_version()}, THP {hugepages.thp_mode()})")
     n, pids, faults_on, rest = _probe({})
     assert n == 2 and len(pids) == 1  # re-executed once, same process
     assert rest == "None []"  # GLIBC_TUNABLES as the user had it (unset), the marker gone
@@ -62,6 +60,10 @@ def test_reexec_takes_effect_restores_the_environment_and_can_be_turned_off():
 def test_only_entry_points_reexecute():
     assert hugepages.is_entry_command(["python", "-m", "jaxrl_term.train", "+experiment=tiny_cpu"])
     assert hugepages.is_entry_command(["/v/bin/python", "/v/bin/jaxrl-term-eval", "x=1"])
+    assert hugepages.is_entry_command(["python", "-u", "-X", "dev", "-m", "jaxrl_term.sft"])
+    assert hugepages.is_entry_command(["python", "-mjaxrl_term.serve"])
+    assert not hugepages.is_entry_command(["python", "script.py", "-m", "jaxrl_term.train"])
+    assert not hugepages.is_entry_command(["python", "-c", "pass", "-m", "jaxrl_term.train"])
     assert not hugepages.is_entry_command(["python", "-m", "jaxrl_term.report"])
     assert not hugepages.is_entry_command(["python", "-m", "pytest", "tests"])
     assert not hugepages.is_entry_command(["python", "-c", "import jaxrl_term"])

@@ -67,8 +67,8 @@ def tuned_env(env: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def reexec_with_hugepage_malloc() -> None:
-    """Re-execute this process's own command line with the tunable set, if ``wanted()``; call it first thing
-    in an entry point's ``__main__`` (before threads, open sockets or anything worth keeping: ``execv`` keeps
+    """Re-execute this process's own command line with the tunable set, if ``wanted()``; ``at_entry`` calls it
+    when the package is first imported (before threads, open sockets or anything worth keeping: ``execv`` keeps
     the pid, the open descriptors and the environment, and replaces everything else). In the re-executed
     process glibc has read the tunable already: ``GLIBC_TUNABLES`` goes back to what the user had, so the
     programs this one starts (sandboxes, servers) see the environment they were given. Returns when nothing is
@@ -101,10 +101,20 @@ ENTRY_POINTS = ("train", "sft", "eval", "serve")
 
 
 def is_entry_command(argv: list[str]) -> bool:
-    """Whether ``argv`` (``sys.orig_argv``) runs one of the entry points that do heavy CPU work."""
-    if len(argv) >= 3 and argv[1] == "-m":
-        return argv[2] in {f"jaxrl_term.{e}" for e in ENTRY_POINTS}
-    return len(argv) >= 2 and Path(argv[1]).name in {f"jaxrl-term-{e}" for e in ENTRY_POINTS}
+    """Whether ``argv`` (``sys.orig_argv``) runs one of the entry points that do heavy CPU work: ``-m`` after
+    any interpreter options (``python -u -X dev -m jaxrl_term.train``, ``-mjaxrl_term.train``), or a script."""
+    modules = {f"jaxrl_term.{e}" for e in ENTRY_POINTS}
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":
+        a = argv[i]
+        if a == "-m":
+            return i + 1 < len(argv) and argv[i + 1] in modules
+        if a.startswith("-m"):
+            return a[2:] in modules
+        if a in ("-c",):
+            return False
+        i += 2 if a in ("-X", "-W", "--check-hash-based-pycs") else 1
+    return i < len(argv) and Path(argv[i]).name in {f"jaxrl-term-{e}" for e in ENTRY_POINTS}
 
 
 def at_entry() -> None:
