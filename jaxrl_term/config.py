@@ -29,6 +29,7 @@ class ModelOptionsCfg:
     logits_chunk: int = 0
     precision: str = "default"
     flat_matmuls: bool = True  # [B, T] merged for the layers' matmuls (2-D GEMMs; see model/qwen3.decoder_layer)
+    scan_layers: bool = True  # false: the layer loop unrolled (faster on CPU; compile time grows with depth)
 
 
 @dataclasses.dataclass

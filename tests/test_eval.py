@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_stacked
 from jaxrl_term.agent.transcript import read_jsonl, to_markdown
 from jaxrl_term.eval.core import failure_mode, pass_at_k, summarize
 
@@ -28,8 +28,8 @@ ENV = {**os.environ, "XLA_FLAGS": ""}  # one CPU device in the processes these t
 
 
 def _eval(args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "jaxrl_term.eval", "eval.progress=false", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=ENV)
+    return run_stacked([sys.executable, "-m", "jaxrl_term.eval", "eval.progress=false", *args], cwd=REPO,
+                       timeout=timeout, env=ENV)
 
 
 def _summary(run_dir: Path) -> dict:
@@ -265,8 +265,7 @@ def test_training_evaluates_heldout_tasks_and_saves_readable_transcripts(docker_
             "trainer.eval_before_train=true",
             "trainer.eval_every=2", "eval.data.limit=2", "trainer.report=false", "sandbox.backend=docker",
             f"run_dir={out}"]
-    r = subprocess.run([sys.executable, "-m", "jaxrl_term.train", *args], cwd=REPO, capture_output=True, text=True,
-                       timeout=900, env=ENV)
+    r = run_stacked([sys.executable, "-m", "jaxrl_term.train", *args], cwd=REPO, timeout=840, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = read_jsonl(out / "metrics.jsonl")
     evals = {m["step"]: m for m in lines if "eval/pass@1" in m}

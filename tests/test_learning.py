@@ -7,22 +7,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
 from safetensors.numpy import load_file
 
-from conftest import REPO
+from conftest import REPO, run_stacked
 
 ENV = {**os.environ, "XLA_FLAGS": ""}
 SMALL = ["sandbox.backend=local", "data.families=[create_file,count_matches]", "data.difficulties=[easy]",
          "data.n_per_cell=2", "logging.tensorboard=false"]
 
 
-def _run(module, args, timeout=900):
-    return subprocess.run([sys.executable, "-m", module, "+experiment=tiny_learn", *SMALL, *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=ENV)
+def _run(module, args, timeout=600):
+    return run_stacked([sys.executable, "-m", module, "+experiment=tiny_learn", *SMALL, *args], cwd=REPO,
+                       timeout=timeout, env=ENV)
 
 
 def test_two_rl_steps_of_the_learning_preset_from_an_sft_checkpoint(tmp_path):

@@ -219,10 +219,12 @@ def test_reference_pass_feeds_the_kl_term():
         ts.update(state, batch)
 
 
-def test_flat_matmuls_give_the_same_loss_and_gradients():
-    """The update step with the layers' matmuls on merged [B*T] tokens (model.options.flat_matmuls, the CPU speed
-    fix of experiments/results/train_step.md) equals the [B, T] einsums: loss and every gradient to fp32
-    tolerance, on a tiny config with GQA, padding and two microbatches."""
+def test_speed_options_give_the_same_loss_and_gradients():
+    """The CPU speed options of experiments/results/train_step.md change no number: the layers' matmuls on merged
+    [B*T] tokens (model.options.flat_matmuls) and the layer loop unrolled (model.options.scan_layers=false), alone
+    and together, and with our blockwise attention as the CPU presets run it, equal the plain step ([B, T]
+    einsums, lax.scan over layers, dense attention): loss and every gradient to fp32 tolerance, on a tiny config
+    with GQA, padding and two microbatches."""
     import jax
     import numpy as np
     from flax import nnx
@@ -244,16 +246,25 @@ def test_flat_matmuls_give_the_same_loss_and_gradients():
                   rollout_logp=(np.log(rng.uniform(0.05, 0.5, (b, t))) * mask).astype(np.float32),
                   old_logp=np.zeros((b, t), np.float32), ref_logp=np.zeros((b, t), np.float32),
                   fresh=np.ones((b, t), np.float32))
-    out = {}
-    for flat in (False, True):
-        opts = ModelOptions(flat_matmuls=flat)
+    out, loops = {}, {}
+    for flat, scan, attention in ((False, True, "dot_product_attention"), (True, True, "dot_product_attention"),
+                                  (False, False, "dot_product_attention"), (True, False, "dot_product_attention"),
+                                  (True, False, "blockwise")):
+        opts = ModelOptions(flat_matmuls=flat, scan_layers=scan, attention=attention, attention_block=8)
         ts = make_train_step(cfg, AlgoConfig(microbatches=2), OptimConfig(lr=1e-3), options=opts)
         params = nnx.to_pure_dict(nnx.state(Qwen3(cfg, opts, rngs=nnx.Rngs(0)), nnx.Param))
         grads, ok, metrics = ts._grad_step(params, ts.place_batch(batch))
-        out[flat] = (jax.device_get(grads), float(metrics["loss"]), bool(ok))
-    assert out[True][2] and out[False][2]
-    np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-6, atol=1e-7)
-    flat_g, ref_g = jax.tree.leaves(out[True][0]), jax.tree.leaves(out[False][0])
-    assert len(flat_g) == len(ref_g) > 5
-    for g1, g0 in zip(flat_g, ref_g):
-        np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7)
+        out[flat, scan, attention] = (jax.device_get(grads), float(metrics["loss"]), bool(ok))
+        hlo = ts._grad_step.lower(params, ts.place_batch(batch)).as_text()
+        loops[flat, scan, attention] = hlo.count("stablehlo.while")
+    # the layer loop really is unrolled: only the microbatch loop is left (forward and backward)
+    d = "dot_product_attention"
+    assert loops[False, False, d] == loops[True, False, d] < loops[False, True, d] == loops[True, True, d]
+    ref = out[False, True, d]
+    for key, (grads, loss, ok) in out.items():
+        assert ok and ref[2], key
+        np.testing.assert_allclose(loss, ref[1], rtol=1e-6, atol=1e-7, err_msg=str(key))
+        got, want = jax.tree.leaves(grads), jax.tree.leaves(ref[0])
+        assert len(got) == len(want) > 5
+        for g1, g0 in zip(got, want):
+            np.testing.assert_allclose(g1, g0, rtol=1e-5, atol=1e-7, err_msg=str(key))

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from conftest import REPO
+from conftest import REPO, run_stacked
 from jaxrl_term.agent.transcript import append_jsonl
 from jaxrl_term.sft import episodes_from
 
@@ -24,9 +24,9 @@ def test_sft_from_a_teacher_jsonl_writes_a_policy_that_learned_the_demonstration
     append_jsonl(tmp_path / "teacher.jsonl", [rec] * 4 + [{"token_ids": [1, 2], "loss_mask": [0, 0]}])
     assert len(episodes_from(str(tmp_path / "teacher.jsonl"))) == 4  # no policy token: not a demonstration
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "jaxrl_term.sft", f"sft.source={tmp_path / 'teacher.jsonl'}",
-                        "sft.steps=30", "sft.lr=3e-3", "sft.batch_size=2", "trainer.buckets=[64]", f"run_dir={out}"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
+    r = run_stacked([sys.executable, "-m", "jaxrl_term.sft", f"sft.source={tmp_path / 'teacher.jsonl'}",
+                     "sft.steps=30", "sft.lr=3e-3", "sft.batch_size=2", "trainer.buckets=[64]", f"run_dir={out}"],
+                    cwd=REPO, timeout=600, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads((out / "summary.json").read_text())
     assert info["demonstrations"] == 4 and info["loss_last"] < 0.5 * info["loss_first"]

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, run_stacked
 from jaxrl_term.rl.batch import Sample, make_batch
 from jaxrl_term.rl.losses import ppo_clip_fraction
 from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
@@ -21,8 +21,7 @@ from test_rl_step import CFG, OPTIM, leaves, params0, samples
 
 def _train(args, timeout=600, cwd=REPO):
     env = {**os.environ, "XLA_FLAGS": ""}
-    return subprocess.run([sys.executable, "-m", "jaxrl_term.train", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return run_stacked([sys.executable, "-m", "jaxrl_term.train", *args], cwd=cwd, timeout=timeout, env=env)
 
 
 # ------------------------------------------------------------------------------------------------ 1. TIS
@@ -208,9 +207,9 @@ def test_kl_reference_is_the_warm_started_policy_also_after_resume(tmp_path):
               "algo.kl_coef=0.5", "trainer.groups_per_step=1", "algo.group_size=2", "trainer.drop_zero_variance=false",
               "trainer.checkpoint_every=1", "logging.tensorboard=false", "logging.console=false",
               f"cache_dir={tmp_path / 'cache'}", f"run_dir={run}"]
-    first = _train([*common, "trainer.steps=1"], timeout=900)
+    first = _train([*common, "trainer.steps=1"], timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _train([*common, "trainer.steps=2"], timeout=900)
+    second = _train([*common, "trainer.steps=2"], timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
     ms = {m["step"]: m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "train/kl" in m}
     assert ms[0]["train/kl"] < 1e-6  # policy == reference at the first update

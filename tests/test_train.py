@@ -218,6 +218,75 @@ def test_pipeline_retries_or_drops_failed_episodes_and_goes_on(docker_client, ti
     assert counters.get("pipeline/groups_dropped_errors", 0) >= 1  # ... and its group dropped
 
 
+def test_an_attempt_that_hangs_past_its_deadline_is_dropped_and_retried(docker_client, tiny_tokenizer_dir,
+                                                                         monkeypatch, caplog):
+    """A part of an episode that hangs where no limit of its own applies (here the verifier's first call never
+    returns: the stand-in for an engine API call that never answers) is cut off at the attempt's deadline: the
+    attempt is dropped (never scored), the episode is retried, the group gets the real verifier's rewards, the
+    hung attempt's sandbox is closed, and the log says where it hung."""
+    import docker
+
+    import jaxrl_term.rollout.pipeline as pipeline
+    from jaxrl_term.agent.actions import SENTINEL, BashScaffold
+    from jaxrl_term.agent.loop import AgentLimits
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.rollout.engine import SamplingParams
+    from jaxrl_term.tasks.builtin import generate
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    task = generate("create_file", "easy", seed=2)
+    real_verify, calls = pipeline.verify, []
+
+    async def verify_hanging_once(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            await asyncio.Event().wait()  # never set
+        return await real_verify(*a, **kw)
+
+    monkeypatch.setattr(pipeline, "verify", verify_hanging_once)
+    engine = SessionEngine(tok, [f"```bash\necho {SENTINEL}\n```"])
+    seen_open: list[int] = []
+
+    async def main():
+        pipe = pipeline.RolloutPipeline(
+            [task], engine=engine, tokenizer=tok, scaffold_factory=BashScaffold, group_size=2, groups_per_step=1,
+            sampling=SamplingParams(max_new_tokens=64), limits=AgentLimits(max_turns=2, max_context_tokens=4096),
+            backend="docker", drop_zero_variance=False, attempt_deadline_s=20.0)
+        # without the override: the task image's build + the agent's time + 3 verifier runs + the margin
+        pipe._attempt_deadline_s, pipe.limits = None, AgentLimits(trajectory_timeout_s=50.0)
+        parts = task.environment.build_timeout_s + 50.0 + 3 * task.test_timeout_s
+        assert pipe.attempt_deadline(task) == parts + pipeline.ATTEMPT_MARGIN_S
+        pipe._attempt_deadline_s, pipe.limits = 20.0, AgentLimits(max_turns=2, max_context_tokens=4096)
+        pipe.start()
+
+        async def count_open():  # the hung attempt's container while it hangs
+            c = docker.from_env()
+            while True:
+                seen_open.append(len(c.containers.list(filters={"label": "jaxrl_term.group"})))
+                await asyncio.sleep(1.0)
+
+        watcher = asyncio.create_task(count_open())
+        t0 = time.monotonic()
+        try:
+            batch = await asyncio.wait_for(pipe.get_batch(0), 240)
+        finally:
+            watcher.cancel()
+            await pipe.stop()
+        return batch, pipe.take_counters(), time.monotonic() - t0
+
+    with caplog.at_level("ERROR", logger="jaxrl_term"):
+        batch, counters, took = asyncio.run(main())
+    assert took >= 20.0 and len(calls) == 3  # the hung call, the retried attempt's, the other episode's
+    assert counters.get("pipeline/retry_attempt_deadline") == 1 and counters["pipeline/episodes"] == 2
+    assert len(batch) == 1 and len(batch[0].trajectories) == 2
+    assert all(t.reward_parts["outcome"] != "tampered" for t in batch[0].trajectories)
+    assert batch[0].rewards == [0.0, 0.0]  # the agent only said it was done: the real verifier's 0s
+    assert [t.meta["attempt"] for t in batch[0].trajectories].count(1) == 1  # one episode needed a retry
+    assert any("passed its deadline of 20 s while running the verifier" in r.getMessage() for r in caplog.records)
+    assert max(seen_open) >= 1
+    assert not docker.from_env().containers.list(filters={"label": "jaxrl_term.group"})  # the hung one closed too
+
+
 def test_hydra_sweep_runs_each_job_in_its_own_dir(tmp_path):
     proc = _train(["-m", *QUICK, "algo=grpo,dppo", "trainer.steps=0", f"hydra.sweep.dir={tmp_path}"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -37,8 +37,17 @@ CONFIGS = {
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
 }
 BATCH = {"tiny": (8, 256), "100m": (4, 256), "0.6b": (2, 128)}
-# ours with one ModelOptions field changed from the default: what that option costs (a row of its own)
-VARIANTS = {"flat_matmuls=false": {"flat_matmuls": False}}
+# timed steps per worker at least (a tiny step is ~50 ms and this VM's bursts of noise last about as long as
+# --steps of them: the median needs more samples there); rounds: minutes per step pair at 0.6B on 2 cores
+MIN_STEPS = {"tiny": 40, "100m": 0, "0.6b": 0}
+ROUNDS = {"tiny": None, "100m": None, "0.6b": 1}
+# ours runs with the options of the model preset a user gets for that size (conf/model/NAME.yaml `options`);
+# the 0.6B-shaped config with ModelOptions' defaults (its preset computes in bf16 with remat; this bench is fp32)
+PRESET = {"tiny": "tiny", "100m": "bench_100m", "0.6b": None}
+# ours with one ModelOptions field changed from that: what the option is worth (a row of its own)
+VARIANTS = {"tiny": ["scan_layers=true", "attention=dot_product_attention"],
+            "100m": ["scan_layers=true", "attention=dot_product_attention", "flat_matmuls=false"],
+            "0.6b": ["scan_layers=false"]}
 # an environment row: both sides without glibc's huge-page malloc (its worth; jaxrl_term/utils/hugepages.py)
 NO_HUGEPAGES = "malloc huge pages off, both sides"
 EPS_LOW, EPS_HIGH, LR = 0.2, 0.28, 1e-6
@@ -55,6 +64,26 @@ def make_data(name: str):
     return tokens, mask, rollout, adv
 
 
+def preset_options(name: str) -> dict:
+    """The ``options`` block of the config's model preset (conf/model/NAME.yaml), or {} (the defaults)."""
+    if PRESET[name] is None:
+        return {}
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "model" / f"{PRESET[name]}.yaml"
+    return dict(OmegaConf.to_container(OmegaConf.load(conf).options))
+
+
+def parse_variant(variant: str) -> dict:
+    """``field=value`` (a ModelOptions field, a YAML value) -> {field: value}; "" -> {}."""
+    if not variant:
+        return {}
+    import yaml
+
+    field, _, value = variant.partition("=")
+    return {field: yaml.safe_load(value)}
+
+
 def worker_ours(name: str, ckpt: str, steps: int, variant: str = "") -> list[float]:
     import jax
     from flax import nnx
@@ -64,7 +93,7 @@ def worker_ours(name: str, ckpt: str, steps: int, variant: str = "") -> list[flo
     from jaxrl_term.rl.batch import Batch
     from jaxrl_term.rl.step import AlgoConfig, OptimConfig, make_train_step
 
-    options = ModelOptions(**VARIANTS.get(variant, {}))
+    options = ModelOptions(**{**preset_options(name), **parse_variant(variant)})
     model = load_pretrained(ckpt, options=options)
     ts = make_train_step(model.config, AlgoConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH),
                          OptimConfig(lr=LR, weight_decay=0.0, grad_clip=1.0), options=options)
@@ -163,7 +192,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default="tiny,100m,0.6b")
-    ap.add_argument("--variants", default="flat_matmuls=false", help="ours with an option changed, on 100m")
+    ap.add_argument("--no-variants", dest="variants", action="store_false",
+                    help="skip the rows of ours with one option changed (VARIANTS)")
     ap.add_argument("--variant", default="")
     ap.add_argument("--no-hugepages-row", dest="hugepages_row", action="store_false",
                     help="skip the 100m row with glibc's huge-page malloc off on both sides")
@@ -192,7 +222,6 @@ def main() -> None:
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(header)
     rows, peaks_gflops = [], []
-    variants = [v for v in args.variants.split(",") if v]
     for name in args.configs.split(","):
         with tempfile.TemporaryDirectory() as d:
             torch.manual_seed(0)
@@ -200,18 +229,18 @@ def main() -> None:
             n_params = sum(p.numel() for p in hf.parameters())
             hf.save_pretrained(d)
             del hf
-            sides = ["ours", "torch"] + ([f"ours:{v}" for v in variants] if name == "100m" else [])
+            sides = ["ours", "torch"] + ([f"ours:{v}" for v in VARIANTS[name]] if args.variants else [])
             if name == "100m" and args.hugepages_row:
                 sides += ["ours@off", "torch@off"]
             times = {k: [] for k in sides}
             peaks = {k: 0.0 for k in sides}
-            rounds = 1 if name == "0.6b" else args.rounds  # minutes per step pair at 0.6B on 2 cores
+            rounds, steps = ROUNDS[name] or args.rounds, max(args.steps, MIN_STEPS[name])
             for _ in range(rounds):
                 peaks_gflops.append(run_worker("peak", name, d, 0)[0][0])
                 for side in sides:
                     spec, _, env = side.partition("@")
                     kind, _, variant = spec.partition(":")
-                    t, peak = run_worker(kind, name, d, args.steps, variant, hugepages=env != "off")
+                    t, peak = run_worker(kind, name, d, steps, variant, hugepages=env != "off")
                     times[side] += t
                     peaks[side] = max(peaks[side], peak)
         b, t = BATCH[name]
@@ -235,13 +264,15 @@ def main() -> None:
 
     env = (f"jax {jax.__version__} (cpu), torch {torch.__version__}, transformers {transformers.__version__}, "
            f"{platform.machine()}, {os.cpu_count()} CPU threads; fp32; median over {args.rounds} x {args.steps} "
-           "steps after 2 warm-up steps per worker (1 round at 0.6b); peak RSS is the whole worker process "
+           f"steps after 2 warm-up steps per worker ({args.rounds} x {max(args.steps, MIN_STEPS['tiny'])} at tiny, "
+           "1 round at 0.6b); peak RSS is the whole worker process "
            f"(libraries included). GEMM peak: a 2048^3 fp32 matmul in JAX, measured before every round, median "
            f"{statistics.median(peaks_gflops):.0f} GFLOP/s; % of peak = 6 N T / step time / peak (attention and "
-           "the optimizer not counted). Rows with an option in parentheses: ours with that ModelOptions field "
-           "changed from the default (its cost). Both sides run with glibc's `glibc.malloc.hugetlb=1` (our entry "
-           "points set it: jaxrl_term/utils/hugepages.py), except in the row that turns it off on both sides "
-           f"(kernel THP mode: {thp_mode()}).")
+           "the optimizer not counted). Ours runs with the options of the model preset for its size "
+           "(conf/model/tiny.yaml, bench_100m.yaml; ModelOptions' defaults at 0.6b); rows with an option in "
+           "parentheses: ours with that one ModelOptions field changed (what it is worth). Both sides run with "
+           "glibc's `glibc.malloc.hugetlb=1` (our entry points set it: jaxrl_term/utils/hugepages.py), except in "
+           f"the row that turns it off on both sides (kernel THP mode: {thp_mode()}).")
     text = ("# RL update step: jaxrl_term (jax.jit) vs PyTorch eager (transformers Qwen3 + same loss + AdamW)\n\n"
             f"Tokens per second count every position of the batch. {env}\n\n"
             f"Reproduce: `.venv/bin/python experiments/bench/train_step.py`\n\n{header}\n" + "\n".join(rows) + "\n")

@@ -173,6 +173,11 @@ class ModelOptions:
     logits_chunk: int = 0  # sequence chunk for lm_head_map; 0 = whole sequence at once
     precision: str = "default"  # matmul precision of the body: default | high | highest
     unroll: bool = False  # unroll the layer / logit-chunk / microbatch loops (the planner's FLOP count)
+    # True: the layer loop is a lax.scan over the stacked weights (compile time independent of depth: deep models,
+    # GPU presets). False: unrolled into straight-line code, so there is no while loop whose per-layer residuals
+    # XLA zero-fills and copies into stacked buffers every step (CPU presets: 14% of the tiny update step, 6% of
+    # the 100M one; experiments/results/train_step.md). Same numbers either way.
+    scan_layers: bool = True
     flat_matmuls: bool = True  # [B, T] merged into one token axis for the layers' matmuls (decoder_layer.proj)
 
     def __post_init__(self):
@@ -688,7 +693,7 @@ class Qwen3(nnx.Module):
             layer = remat_saving_bits(layer)
         elif opts.remat != "none":
             layer = jax.checkpoint(layer, policy=REMAT_POLICIES[opts.remat], prevent_cse=False)
-        stacked, unroll = self.layers.stacked(), opts.unroll or 1
+        stacked, unroll = self.layers.stacked(), (opts.unroll or not opts.scan_layers) or 1
 
         def layers(x, ps, ctx):
             return jax.lax.scan(lambda c, p: (layer(c, p, ctx), None), x, ps, unroll=unroll)[0]

@@ -96,6 +96,9 @@ async def default_reward(task: Task, traj: Trajectory, result) -> tuple[float | 
     return result.score, {"tests": result.score}
 
 
+ATTEMPT_MARGIN_S = 600.0  # an attempt's deadline beyond the sum of its parts' limits (RolloutPipeline.attempt_deadline)
+
+
 class RolloutPipeline:
     def __init__(
         self,
@@ -125,6 +128,7 @@ class RolloutPipeline:
         policy_version: int = 0,
         sampler=None,
         progress_every_s: float = 30.0,
+        attempt_deadline_s: float | None = None,
     ):
         if group_size < 2:
             raise ValueError("algo.group_size must be >= 2 for group-relative advantages")
@@ -159,6 +163,7 @@ class RolloutPipeline:
         self._busy_s = 0.0
         self._busy_mark = time.monotonic()
         self.progress_every_s = progress_every_s  # a log line while the trainer waits longer than this
+        self._attempt_deadline_s = attempt_deadline_s  # None: from each task's limits (attempt_deadline)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -263,11 +268,36 @@ class RolloutPipeline:
         self.counters["episodes_failed"] += 1
         return None
 
+    def attempt_deadline(self, task: Task) -> float:
+        """Wall clock an episode attempt may take in all: the task image's build, the agent's time, three verifier
+        runs (the tests, a re-check on a fresh sandbox, a network confirmation) and ATTEMPT_MARGIN_S for sandboxes
+        starting and closing (or the pipeline's ``attempt_deadline_s``). Every part has its own limit; this one
+        only turns a hang that escaped them (an engine API call that never answers, a bug) into a dropped,
+        retried attempt that says where it hung, instead of a run that waits forever with no log line."""
+        if self._attempt_deadline_s is not None:
+            return self._attempt_deadline_s
+        agent_s = min(self.limits.trajectory_timeout_s, task.agent_timeout_s or float("inf"))
+        return task.environment.build_timeout_s + agent_s + 3 * task.test_timeout_s + ATTEMPT_MARGIN_S
+
     async def _attempt(self, task: Task, seq: int, k: int, attempt: int):
+        deadline = self.attempt_deadline(task)
+        where = {"at": "opening the sandbox (the image build included)"}
+        try:
+            async with asyncio.timeout(deadline):
+                return await self._attempt_within(task, seq, k, attempt, where)
+        except TimeoutError:
+            self.counters["retry_attempt_deadline"] += 1
+            log.error("episode %d/%d of %s (attempt %d) passed its deadline of %.0f s while %s: dropped, and "
+                      "retried while retries are left (pipeline/retry_attempt_deadline)", seq, k, task.id, attempt,
+                      deadline, where["at"])
+            return None
+
+    async def _attempt_within(self, task: Task, seq: int, k: int, attempt: int, where: dict):
         sampling = self.sampling.replace(seed=self._episode_seed(seq, k, attempt))
         try:
             async with open_task_sandbox(task, backend=self.backend, builder=self.builder, pool=self.pool,
                                          labels={"jaxrl_term.group": str(seq)}, **self.sandbox_limits) as sb:
+                where["at"] = "running the agent"
                 traj = await run_episode(task, self.engine, sb, self.tok, self.scaffold_factory(), sampling=sampling,
                                          limits=self.limits, enable_thinking=self.enable_thinking)
                 self.end_reasons[traj.end_reason] += 1
@@ -276,7 +306,9 @@ class RolloutPipeline:
                     return None
                 # a verifier error is re-checked on a fresh sandbox of the task (outside the pool: this one is held)
                 # (a sandbox of the same task with this one's settings, pool defaults included: sb.reopen)
+                where["at"] = "running the verifier"
                 result = await verify(task, sb, scoring=self.scoring)
+                where["at"] = "closing the sandbox"
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped
