@@ -14,6 +14,7 @@ from conftest import REPO
 # A cluster-shaped preset shrunk to test size: 2 nodes x 4 "GPUs" of 1 GB, a tiny Qwen3, a 2 x 4 mesh,
 # 2 launched TP-2 servers per node sharing the GPUs statically.
 SMALL = ["+experiment=qwen32b_h100", "model=tiny", "model.random_init=true", "model.tokenizer=tiny",
+         "model.options.scan_layers=true", "model.options.attention_block=512",  # the GPU presets' layer path
          "model.options.attention=cudnn", "model.options.remat=full", "model.options.remat_groups=2",
          "model.options.mlp_chunk=128", "agent.max_context_tokens=512", "trainer.buckets=[256,512]",
          "trainer.cluster.nodes=2", "trainer.cluster.gpus_per_node=4", "trainer.cluster.gpu_memory_gb=1",

@@ -91,6 +91,17 @@ def test_chunked_lm_head_equals_full_log_softmax_and_its_gradient():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+def test_remat_with_unrolled_layers_is_refused():
+    """Unrolled layers defeat remat on XLA (nearly every activation kept): the combination is refused, naming both."""
+    from jaxrl_term.model.qwen3 import ModelConfigError
+
+    for remat in ("full", "dots"):
+        with pytest.raises(ModelConfigError, match="scan_layers=false"):
+            ModelOptions(remat=remat, scan_layers=False)
+    ModelOptions(remat="none", scan_layers=False)
+    ModelOptions(remat="full", scan_layers=True)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_changes_memory_not_values(remat):
     from flax import nnx

@@ -230,6 +230,34 @@ def test_reaper_removes_containers_of_a_killed_run(docker_client, tmp_path):
 
 
 @pytest.mark.docker
+def test_cancelled_sandboxes_leave_no_container(docker_client):
+    """An episode attempt cut off at its deadline cancels whatever its sandbox is doing: a container create in
+    flight (its thread finishes the create; the container is then removed), the shell's start, a command, or the
+    close itself. Whenever the cancel lands, no container is left behind for the reaper."""
+
+    async def use():
+        async with open_sandbox("docker", IMAGE, labels={"jaxrl_term.test": "cancelled"}) as sb:
+            await sb.run("sleep 30", timeout_s=60)
+
+    async def main():
+        for delay in (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.6, 1.0, 2.0):
+            task = asyncio.ensure_future(use())
+            await asyncio.sleep(delay)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(main())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # removals that a done-callback started may still be running
+        left = docker_client.containers.list(all=True, filters={"label": "jaxrl_term.test=cancelled"})
+        if not left:
+            break
+        time.sleep(0.5)
+    assert left == []
+
+
+@pytest.mark.docker
 def test_sixteen_concurrent_sandboxes_twenty_commands_each(docker_client):
     async def main():
         pool = SandboxPool("docker", max_concurrent=16, memory_mb=256)

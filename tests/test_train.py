@@ -232,6 +232,7 @@ def test_an_attempt_that_hangs_past_its_deadline_is_dropped_and_retried(docker_c
     from jaxrl_term.model.tokenizer import load_tokenizer
     from jaxrl_term.rollout.engine import SamplingParams
     from jaxrl_term.tasks.builtin import generate
+    from jaxrl_term.tasks.env import open_task_sandbox
 
     tok = load_tokenizer(tiny_tokenizer_dir)
     task = generate("create_file", "easy", seed=2)
@@ -248,15 +249,19 @@ def test_an_attempt_that_hangs_past_its_deadline_is_dropped_and_retried(docker_c
     seen_open: list[int] = []
 
     async def main():
+        async with open_task_sandbox(task, backend="docker"):  # the task's image built before any clock runs
+            pass
         pipe = pipeline.RolloutPipeline(
             [task], engine=engine, tokenizer=tok, scaffold_factory=BashScaffold, group_size=2, groups_per_step=1,
             sampling=SamplingParams(max_new_tokens=64), limits=AgentLimits(max_turns=2, max_context_tokens=4096),
-            backend="docker", drop_zero_variance=False, attempt_deadline_s=20.0)
-        # without the override: the task image's build + the agent's time + 3 verifier runs + the margin
+            backend="docker", drop_zero_variance=False, attempt_deadline_s=30.0)
+        # without the override: the task image's build (until the sandbox is open) + the agent's time + 3 verifier
+        # runs + the margin
         pipe._attempt_deadline_s, pipe.limits = None, AgentLimits(trajectory_timeout_s=50.0)
-        parts = task.environment.build_timeout_s + 50.0 + 3 * task.test_timeout_s
-        assert pipe.attempt_deadline(task) == parts + pipeline.ATTEMPT_MARGIN_S
-        pipe._attempt_deadline_s, pipe.limits = 20.0, AgentLimits(max_turns=2, max_context_tokens=4096)
+        rest = 50.0 + 3 * task.test_timeout_s + pipeline.ATTEMPT_MARGIN_S
+        assert pipe.attempt_deadline(task, opened=True) == rest
+        assert pipe.attempt_deadline(task) == task.environment.build_timeout_s + rest
+        pipe._attempt_deadline_s, pipe.limits = 30.0, AgentLimits(max_turns=2, max_context_tokens=4096)
         pipe.start()
 
         async def count_open():  # the hung attempt's container while it hangs
@@ -276,13 +281,13 @@ def test_an_attempt_that_hangs_past_its_deadline_is_dropped_and_retried(docker_c
 
     with caplog.at_level("ERROR", logger="jaxrl_term"):
         batch, counters, took = asyncio.run(main())
-    assert took >= 20.0 and len(calls) == 3  # the hung call, the retried attempt's, the other episode's
+    assert took >= 30.0 and len(calls) == 3  # the hung call, the retried attempt's, the other episode's
     assert counters.get("pipeline/retry_attempt_deadline") == 1 and counters["pipeline/episodes"] == 2
     assert len(batch) == 1 and len(batch[0].trajectories) == 2
     assert all(t.reward_parts["outcome"] != "tampered" for t in batch[0].trajectories)
     assert batch[0].rewards == [0.0, 0.0]  # the agent only said it was done: the real verifier's 0s
     assert [t.meta["attempt"] for t in batch[0].trajectories].count(1) == 1  # one episode needed a retry
-    assert any("passed its deadline of 20 s while running the verifier" in r.getMessage() for r in caplog.records)
+    assert any("passed its deadline of 30 s while running the verifier" in r.getMessage() for r in caplog.records)
     assert max(seen_open) >= 1
     assert not docker.from_env().containers.list(filters={"label": "jaxrl_term.group"})  # the hung one closed too
 

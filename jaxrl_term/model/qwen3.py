@@ -176,7 +176,8 @@ class ModelOptions:
     # True: the layer loop is a lax.scan over the stacked weights (compile time independent of depth: deep models,
     # GPU presets). False: unrolled into straight-line code, so there is no while loop whose per-layer residuals
     # XLA zero-fills and copies into stacked buffers every step (CPU presets: 14% of the tiny update step, 6% of
-    # the 100M one; experiments/results/train_step.md). Same numbers either way.
+    # the 100M one; experiments/results/train_step.md). Same numbers either way. Refused with remat, which
+    # unrolled layers defeat.
     scan_layers: bool = True
     flat_matmuls: bool = True  # [B, T] merged into one token axis for the layers' matmuls (decoder_layer.proj)
 
@@ -187,6 +188,11 @@ class ModelOptions:
             raise ModelConfigError(f"model.attention={self.attention!r}; use one of {ATTENTION_KINDS}")
         if self.mlp_chunk < 0 or self.remat_groups < 0:
             raise ModelConfigError("model.mlp_chunk and model.remat_groups must be >= 0")
+        if self.remat != "none" and not self.scan_layers:
+            # measured (XLA:CPU, 6 layers): remat=full 97 MiB of temporaries with the scan, 469 unrolled (492
+            # without remat); optimization barriers on the recomputation did not change it
+            raise ModelConfigError(f"model.remat={self.remat} with model.scan_layers=false: unrolled layers keep "
+                                   "nearly every activation despite remat; keep scan_layers=true with remat")
         if self.remat_groups and self.remat == "none":
             raise ModelConfigError("model.remat_groups needs a remat policy (e.g. model.remat=full)")
         if self.attention_block < 8:

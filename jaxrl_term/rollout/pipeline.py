@@ -268,28 +268,31 @@ class RolloutPipeline:
         self.counters["episodes_failed"] += 1
         return None
 
-    def attempt_deadline(self, task: Task) -> float:
-        """Wall clock an episode attempt may take in all: the task image's build, the agent's time, three verifier
-        runs (the tests, a re-check on a fresh sandbox, a network confirmation) and ATTEMPT_MARGIN_S for sandboxes
-        starting and closing (or the pipeline's ``attempt_deadline_s``). Every part has its own limit; this one
-        only turns a hang that escaped them (an engine API call that never answers, a bug) into a dropped,
-        retried attempt that says where it hung, instead of a run that waits forever with no log line."""
+    def attempt_deadline(self, task: Task, opened: bool = False) -> float:
+        """Wall clock an episode attempt may take: the task image's build (until its sandbox is open; waiting
+        for a sandbox slot included), then the agent's time, three verifier runs (the tests, a re-check on a
+        fresh sandbox, a network confirmation) and ATTEMPT_MARGIN_S for sandboxes starting and closing; the
+        clock restarts without the build once the sandbox is open (or the pipeline's ``attempt_deadline_s``
+        for each part). Every part has its own limit; this one only turns a hang that escaped them (an engine API
+        call that never answers, a bug) into a dropped, retried attempt that says where it hung, instead of a
+        run that waits forever with no log line."""
         if self._attempt_deadline_s is not None:
             return self._attempt_deadline_s
         agent_s = min(self.limits.trajectory_timeout_s, task.agent_timeout_s or float("inf"))
-        return task.environment.build_timeout_s + agent_s + 3 * task.test_timeout_s + ATTEMPT_MARGIN_S
+        rest = agent_s + 3 * task.test_timeout_s + ATTEMPT_MARGIN_S
+        return rest if opened else task.environment.build_timeout_s + rest
 
     async def _attempt(self, task: Task, seq: int, k: int, attempt: int):
-        deadline = self.attempt_deadline(task)
-        where = {"at": "opening the sandbox (the image build included)"}
+        where = {"at": "opening the sandbox (the image build included)", "deadline": self.attempt_deadline(task)}
         try:
-            async with asyncio.timeout(deadline):
+            async with asyncio.timeout(where["deadline"]) as clock:
+                where["clock"] = clock
                 return await self._attempt_within(task, seq, k, attempt, where)
         except TimeoutError:
             self.counters["retry_attempt_deadline"] += 1
             log.error("episode %d/%d of %s (attempt %d) passed its deadline of %.0f s while %s: dropped, and "
                       "retried while retries are left (pipeline/retry_attempt_deadline)", seq, k, task.id, attempt,
-                      deadline, where["at"])
+                      where["deadline"], where["at"])
             return None
 
     async def _attempt_within(self, task: Task, seq: int, k: int, attempt: int, where: dict):
@@ -297,18 +300,24 @@ class RolloutPipeline:
         try:
             async with open_task_sandbox(task, backend=self.backend, builder=self.builder, pool=self.pool,
                                          labels={"jaxrl_term.group": str(seq)}, **self.sandbox_limits) as sb:
-                where["at"] = "running the agent"
-                traj = await run_episode(task, self.engine, sb, self.tok, self.scaffold_factory(), sampling=sampling,
-                                         limits=self.limits, enable_thinking=self.enable_thinking)
-                self.end_reasons[traj.end_reason] += 1
-                if not traj.valid:
-                    self.counters[f"retry_{traj.end_reason}"] += 1
-                    return None
-                # a verifier error is re-checked on a fresh sandbox of the task (outside the pool: this one is held)
-                # (a sandbox of the same task with this one's settings, pool defaults included: sb.reopen)
-                where["at"] = "running the verifier"
-                result = await verify(task, sb, scoring=self.scoring)
-                where["at"] = "closing the sandbox"
+                where["deadline"] = self.attempt_deadline(task, opened=True)  # the clock restarts without the build
+                where["clock"].reschedule(asyncio.get_running_loop().time() + where["deadline"])
+                try:
+                    where["at"] = "running the agent"
+                    traj = await run_episode(task, self.engine, sb, self.tok, self.scaffold_factory(),
+                                             sampling=sampling, limits=self.limits,
+                                             enable_thinking=self.enable_thinking)
+                    self.end_reasons[traj.end_reason] += 1
+                    if not traj.valid:
+                        self.counters[f"retry_{traj.end_reason}"] += 1
+                        return None
+                    # a verifier error is re-checked on a fresh sandbox of the task (outside the pool: this one is
+                    # held) (a sandbox of the same task with this one's settings, pool defaults included: sb.reopen)
+                    where["at"] = "running the verifier"
+                    result = await verify(task, sb, scoring=self.scoring)
+                finally:
+                    if not asyncio.current_task().cancelling():  # a cancelled attempt says where it hung
+                        where["at"] = "closing the sandbox"
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped

@@ -77,6 +77,21 @@ async def _call(fn, *args, **kwargs):
     return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(ctx.run, fn, *args, **kwargs))
 
 
+def _remove_when_created(create: asyncio.Future) -> None:
+    """Done-callback of a container create whose caller was cancelled: remove the container it made, if any."""
+    if create.cancelled() or create.exception() is not None:
+        return
+    container = create.result()
+    _POOL.submit(lambda: _quiet(container.remove, force=True, v=True))
+
+
+def _quiet(fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - best effort: the reaper finds what is left by its labels
+        log.debug("%s: %s", getattr(fn, "__name__", fn), e)
+
+
 def _read(path: str) -> str:
     try:
         with open(path) as f:
@@ -491,8 +506,12 @@ class DockerSandbox:
         import time as _time
 
         t_create = _time.monotonic()
+        create = asyncio.ensure_future(_call(client().containers.run, image, [toolkit.PAUSE], **run_kwargs))
         try:
-            container = await _call(client().containers.run, image, [toolkit.PAUSE], **run_kwargs)
+            container = await asyncio.shield(create)
+        except asyncio.CancelledError:  # the create goes on in its thread: remove what it makes
+            create.add_done_callback(_remove_when_created)
+            raise
         except docker.errors.APIError as e:
             if engine is not None:  # refused creates in a row take an engine out of rotation (engines.py)
                 engine.failing += 1
@@ -542,7 +561,11 @@ class DockerSandbox:
         # this machine's /proc only knows the containers of an engine on this machine (a unix socket)
         local_engine = engine.url.startswith("unix://") if engine is not None else \
             engine_client.api.base_url == "http+docker://localhost"
-        pids_file = await _call(_pids_current_file, container) if local_engine else None
+        try:
+            pids_file = await _call(_pids_current_file, container) if local_engine else None
+        except BaseException:  # cancelled or failed before the sandbox exists to close it
+            await asyncio.shield(_call(_quiet, container.remove, force=True, v=True))
+            raise
 
         # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
         pressure = PidPressure(limits.pids, lambda: int(pids_file.read_text()), [pids_file.with_name("pids.events")]) \
@@ -749,11 +772,13 @@ class DockerSandbox:
         if self._closed:
             return
         self._closed = True
-        await self.shell.close()
         try:
-            await _call(self.container.remove, force=True, v=True)
-        except Exception as e:  # noqa: BLE001 - already removed (e.g. by the reaper); nothing else to free
-            log.debug("remove %s: %s", self.container.short_id, e)
+            await self.shell.close()
+        finally:  # the container goes even when this close is cancelled (an attempt's deadline, a stopping run)
+            try:
+                await asyncio.shield(_call(self.container.remove, force=True, v=True))
+            except Exception as e:  # noqa: BLE001 - already removed (e.g. by the reaper); nothing else to free
+                log.debug("remove %s: %s", self.container.short_id, e)
 
 
 def main(argv: list[str] | None = None) -> int:
