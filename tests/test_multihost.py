@@ -63,6 +63,11 @@ def _common(model_dir, run_dir, cache_dir):
             "trainer.buckets=[1024,2048]", "agent.max_context_tokens=2048", "trainer.steps=5", "trainer.checkpoint_every=1",
             "trainer.deterministic_engine=true", "trainer.log_param_digest=true", "optim.lr=1e-2",
             "mesh.shape={data: 1, fsdp: 8, tensor: 1}",
+            # the dense kernel: with the tiny preset's blockwise attention, 8 devices in one process and 4 + 4 in two
+            # give losses 5e-7 apart from step 0 (its in-loop reductions round differently with the device layout;
+            # dense attention's do not), enough for a near-tied sample to flip by step 4 (loss 1e-4 apart): this
+            # test compares the exact samples of the two topologies
+            "model.options.attention=dot_product_attention",
             "rollout=sglang", "rollout.temperature=1.0", "rollout.sglang.launch.enabled=true",
             "rollout.sglang.colocation.mode=time_share",  # release / resume around every update (a no-op on CPU)
             f"rollout.sglang.launch.python={sys.executable}", "rollout.sglang.launch.module=jaxrl_term.serve",
