@@ -34,22 +34,6 @@ SHAPES = {
 }
 
 
-def gemm_tflops(n: int, dtype, reps: int = 20) -> float:
-    """A measured n^3 matmul rate in ``dtype`` (TFLOP/s), median of ``reps``."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(ts) / 1e12
-
-
 def model_flops(cfg: dict, n_params: int, b: int, t: int) -> float:
     """6 N T + causal attention (QK^T and PV, forward + backward: 3 x 2 x 2 B T^2 d_attn L / 2)."""
     d_attn = cfg["num_attention_heads"] * cfg["head_dim"]
@@ -73,8 +57,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
     from flax import nnx
+    from train_step import gemm_peak  # experiments/bench/train_step.py: the same measured GEMM
 
     from jaxrl_term.model.qwen3 import ModelOptions, Qwen3, Qwen3Config
     from jaxrl_term.rl.batch import Batch
@@ -121,7 +105,7 @@ def main() -> None:
     flops = model_flops(cfg, n_params, b, t)
     achieved = flops / step_s / 1e12
     gemm_n = args.gemm_n if dev.platform == "gpu" else 1024
-    gemm = gemm_tflops(gemm_n, jnp.bfloat16)
+    gemm = gemm_peak(gemm_n, 20, "bfloat16") / 1e3  # TFLOP/s
     mem = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30 if dev.platform == "gpu" else float("nan")
 
     header = ("| shape | params | batch x seq | attention | remat | step s | tokens/s | model TFLOP/step | TFLOP/s "

@@ -146,12 +146,12 @@ def worker_torch(name: str, ckpt: str, steps: int) -> list[float]:
     return times
 
 
-def gemm_peak(n: int = 2048, reps: int = 10) -> float:
-    """This machine's fp32 GEMM rate in JAX (GFLOP/s): an n x n x n matmul, median of ``reps``."""
+def gemm_peak(n: int = 2048, reps: int = 10, dtype: str = "float32") -> float:
+    """This machine's GEMM rate in JAX (GFLOP/s): an n x n x n matmul in ``dtype``, median of ``reps``."""
     import jax
     import jax.numpy as jnp
 
-    a = jnp.asarray(np.random.RandomState(0).randn(n, n).astype(np.float32))
+    a = jnp.asarray(np.random.RandomState(0).randn(n, n).astype(np.float32)).astype(dtype)
     f = jax.jit(lambda x, y: x @ y)
     f(a, a).block_until_ready()
     ts = []
