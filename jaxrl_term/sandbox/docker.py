@@ -81,8 +81,7 @@ def _remove_when_created(create: asyncio.Future) -> None:
     """Done-callback of a container create whose caller was cancelled: remove the container it made, if any."""
     if create.cancelled() or create.exception() is not None:
         return
-    container = create.result()
-    _POOL.submit(lambda: _quiet(container.remove, force=True, v=True))
+    _POOL.submit(_quiet, create.result().remove, force=True, v=True)
 
 
 def _quiet(fn, *args, **kwargs) -> None:
@@ -775,10 +774,7 @@ class DockerSandbox:
         try:
             await self.shell.close()
         finally:  # the container goes even when this close is cancelled (an attempt's deadline, a stopping run)
-            try:
-                await asyncio.shield(_call(self.container.remove, force=True, v=True))
-            except Exception as e:  # noqa: BLE001 - already removed (e.g. by the reaper); nothing else to free
-                log.debug("remove %s: %s", self.container.short_id, e)
+            await asyncio.shield(_call(_quiet, self.container.remove, force=True, v=True))  # gone already: fine
 
 
 def main(argv: list[str] | None = None) -> int:
