@@ -7,7 +7,8 @@ steps; then a PNG of held-out pass@1 vs step, a markdown table and a JSON of the
 
 Every stage is resumable: a finished SFT or run is skipped, a killed run resumes from its last checkpoint
 (``trainer.resume=auto``). The SFT-only arm is the SFT checkpoint's held-out evaluation at step 0 of each
-seed's runs (``eval.seed`` = the run's seed, so the seeds sample the evaluation independently). Extra Hydra
+seed's runs (``eval.seed`` = the run's seed, so the seeds sample the evaluation independently); it is run once
+per seed, by the first algorithm's run, and shared with the others (same checkpoint, tasks and evaluation seed). Extra Hydra
 overrides after ``--`` go to every train command (e.g. ``-- trainer.eval_every=2``).
 """
 
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--algos", default="grpo,dppo")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--sft-steps", type=int, default=150)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--root", default="runs/learning_curve")
     ap.add_argument("--results", default=str(REPO / "experiments" / "results"))
@@ -87,6 +88,8 @@ def main() -> None:
         train_cmds[algo, seed] = [py, "-m", "jaxrl_term.train", PRESET, f"algo={algo}", f"seed={seed}",
                                   f"eval.seed={seed}", f"model.path={sft / 'hf_final'}", f"run_dir={run}",
                                   f"trainer.steps={args.steps}", *extra]
+        if algo != algos[0]:  # step 0 = the same checkpoint, evaluation seed and tasks: evaluated once per seed
+            train_cmds[algo, seed].append("trainer.eval_before_train=false")
     todo = [k for k, run in runs.items() if not args.plot_only and not finished(run)]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         for fut in [pool.submit(sh, train_cmds[k], root / "logs" / f"{k[0]}_seed{k[1]}.log") for k in todo]:
@@ -94,6 +97,9 @@ def main() -> None:
     wall = time.time() - t0
 
     curves = {k: evals(r) for k, r in runs.items()}
+    for (algo, seed), c in curves.items():  # the SFT start's evaluation, shared by the seed's runs
+        if algo != algos[0] and 0 in curves[algos[0], seed]:
+            c.setdefault(0, curves[algos[0], seed][0])
     missing = [f"{a} seed {s}" for (a, s), c in curves.items() if 0 not in c or args.steps not in c]
     if missing:
         sys.exit(f"no held-out evaluation at step 0 and step {args.steps} for: {', '.join(missing)}")
