@@ -365,6 +365,8 @@ class EvalCfg:
     seed: int = 0  # attempt j of task t samples with a seed derived from (seed, t, j): reruns are identical
     progress: bool = True  # a progress bar (tasks done, pass rate so far, ETA)
     report: bool = True  # write run_dir/report.html and report.md at the end
+    attempt_deadline_s: Optional[float] = None  # a try's wall clock; null: the image build + the agent's time +
+                                                # 3 verifier runs + a margin (as training rollouts)
     data: DataCfg = field(default_factory=lambda: DataCfg(source="builtin", split="heldout", n_per_cell=1))
 
 
@@ -626,6 +628,8 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
         bad("eval.concurrency", f"{ev.concurrency} must be >= 1")
     if ev.max_retries < 0:
         bad("eval.max_retries", f"{ev.max_retries} must be >= 0")
+    if ev.attempt_deadline_s is not None and not ev.attempt_deadline_s > 0:
+        bad("eval.attempt_deadline_s", f"{ev.attempt_deadline_s} must be > 0", "or null for the task's limits")
     if ev.top_p is not None and not 0 < ev.top_p <= 1:
         bad("eval.top_p", f"{ev.top_p} must be in (0, 1]")
     if ev.temperature is not None and ev.temperature < 0:

@@ -456,3 +456,73 @@ def test_a_resumed_run_sets_aside_evaluations_made_after_its_checkpoint(tmp_path
     assert sorted(p.name for p in (tmp_path / "eval").glob("step_*")) == ["step_000000", "step_000002"]
     (stale,) = (tmp_path / "eval" / "stale").iterdir()
     assert stale.name.startswith("step_000003.") and (stale / "attempts.jsonl").is_file()
+
+
+@pytest.mark.docker
+def test_an_eval_attempt_that_hangs_past_its_deadline_is_retried_and_leaves_no_container(docker_client, tmp_path,
+                                                                                        monkeypatch, caplog):
+    """A try whose verifier never answers is cut at the attempt's deadline, its container removed, and retried:
+    the attempt is scored by the retry (the nop policy's real 0), with no invalid record; a deadline every try
+    passes drops the attempt as ``attempt_deadline``, never as a 0. Without an override the deadline is the
+    training rollouts' formula (image build + agent time + 3 verifier runs + margin)."""
+    import asyncio
+
+    from jaxrl_term.agent.loop import AgentLimits
+    from jaxrl_term.eval.core import EvalSettings, Evaluator
+    from jaxrl_term.reward import verifier
+    from jaxrl_term.rollout.pipeline import ATTEMPT_MARGIN_S
+    from jaxrl_term.sandbox.docker import LABEL_PID
+    from jaxrl_term.tasks.builtin import generate
+    from jaxrl_term.tasks.env import open_task_sandbox
+
+    task = generate("sort_uniq", "easy", seed=3)
+    rest = task.agent_timeout_s + 3 * task.test_timeout_s + ATTEMPT_MARGIN_S
+    assert Evaluator([task], tmp_path / "f", policy="nop", settings=EvalSettings()).attempt_deadline(task) == (
+        task.environment.build_timeout_s + rest)
+    limited = Evaluator([task], tmp_path / "f", policy="checkpoint", settings=EvalSettings(), engine=object(),
+                        tokenizer=object(), scaffold_factory=object, limits=AgentLimits(trajectory_timeout_s=50.0))
+    assert limited.attempt_deadline(task) == task.environment.build_timeout_s + 50.0 + rest - task.agent_timeout_s
+
+    real_verify, calls = verifier.verify, []
+
+    async def verify_hanging(*a, **kw):
+        calls.append(1)
+        if len(calls) in hang_on:
+            await asyncio.Event().wait()  # never set
+        return await real_verify(*a, **kw)
+
+    monkeypatch.setattr(verifier, "verify", verify_hanging)
+
+    def mine():
+        return [c.name for c in docker_client.containers.list(all=True, filters={"label": "jaxrl_term.eval"})
+                if (c.labels or {}).get(LABEL_PID) == str(os.getpid())]
+
+    async def build_first():  # the task's image is built before any clock runs
+        async with open_task_sandbox(task, backend="docker"):
+            pass
+
+    asyncio.run(build_first())
+    hang_on = {1}
+    ev = Evaluator([task], tmp_path / "once", policy="nop", settings=EvalSettings(
+        attempt_deadline_s=20.0, max_retries=1, progress=False))
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="jaxrl_term"):
+        summary = asyncio.run(ev.run())
+    assert time.monotonic() - t0 >= 20.0 and len(calls) == 2
+    assert summary["attempts_invalid"] == 0 and summary["pass@1"] == 0.0
+    rec, = read_jsonl(tmp_path / "once" / "attempts.jsonl")
+    assert rec["retries"] == 1 and rec["outcome"] == "scored" and rec["failure"] == "tests_failed"
+    assert any("passed its deadline of 20 s while running the verifier" in r.getMessage() for r in caplog.records)
+    assert mine() == []
+
+    calls.clear()
+    hang_on = {1, 2}
+    ev = Evaluator([task], tmp_path / "always", policy="nop", settings=EvalSettings(
+        attempt_deadline_s=15.0, max_retries=1, progress=False))
+    summary = asyncio.run(ev.run())
+    assert len(calls) == 2 and summary["attempts_invalid"] == 1
+    assert summary["failure_modes"] == {"attempt_deadline": 1}
+    assert not (tmp_path / "always" / "attempts.jsonl").exists() or not read_jsonl(tmp_path / "always" / "attempts.jsonl")
+    bad, = read_jsonl(tmp_path / "always" / "invalid.jsonl")
+    assert bad["failure"] == "attempt_deadline" and "running the verifier" in bad["error"]
+    assert mine() == []

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,25 @@ def test_update_weights_from_live_params_and_a_bad_update_keeps_the_old(model_di
     assert run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8))).weight_version == 11
     run(engine.update_weights(nnx.to_pure_dict(nnx.state(model)), 14))  # restore for the other tests
     assert run(engine.generate(p, SamplingParams(temperature=0, max_new_tokens=8))).output_ids == before.output_ids
+
+
+def test_the_engines_first_weights_survive_the_trainer_donating_its_params(model_dir):
+    """The trainer builds the engine from its live params, then its first update donates them while the next
+    step's rollouts decode (max_off_policy_steps >= 1): the engine must hold its own copy from the start, not
+    only after the first update_weights (the embedding and norms were aliased: every engine step failed with
+    "Array has been deleted" until the first weight sync)."""
+    model = load_pretrained(model_dir[0])
+    eng = JaxEngine(model, config=JaxEngineConfig(max_batch=2, max_seq_len=256))
+    try:
+        p = prompts(1, seed=9)[0]
+        before = run(eng.generate(p, SamplingParams(temperature=0, max_new_tokens=8)))
+        params = nnx.to_pure_dict(nnx.state(model))
+        jax.block_until_ready(jax.jit(lambda w: jax.tree.map(lambda x: x * 0, w), donate_argnums=0)(params))
+        assert all(x.is_deleted() for x in jax.tree.leaves(params))  # donated, as the train step does
+        after = run(eng.generate(p, SamplingParams(temperature=0, max_new_tokens=8)))
+        assert after.output_ids == before.output_ids and after.weight_version == before.weight_version
+    finally:
+        eng.close()
 
 
 # ------------------------------------------------------------------------------ SGLang client vs our server

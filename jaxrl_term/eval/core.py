@@ -39,9 +39,9 @@ POLICIES = ("oracle", "nop", "checkpoint", "sglang", "openai")
 HARNESS = ("oracle", "nop")
 FAILURE_MODES = ("tests_failed", "agent_timeout", "parse_errors", "context_full", "max_turns", "no_action",
                  "test_timeout", "tampered", "verifier_sabotaged", "engine_error", "sandbox_error", "verifier_error",
-                 "verifier_needs_network", "build_error", "no_solution", "judge_error")
+                 "verifier_needs_network", "build_error", "no_solution", "judge_error", "attempt_deadline")
 INVALID_MODES = ("engine_error", "sandbox_error", "verifier_error", "verifier_needs_network", "build_error",
-                 "no_solution", "judge_error")
+                 "no_solution", "judge_error", "attempt_deadline")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -70,6 +70,7 @@ class EvalSettings:
     max_retries: int = 2
     seed: int = 0
     progress: bool = True
+    attempt_deadline_s: float | None = None  # None: from the task's limits (Evaluator.attempt_deadline)
 
 
 def attempt_seed(seed: int, task_id: str, attempt: int, retry: int = 0) -> int:
@@ -267,37 +268,41 @@ class Evaluator:
         append_jsonl(self.invalid_path, [rec], sync=True)
         return None
 
-    async def _try(self, task: Task, j: int, retry: int) -> tuple:
-        from jaxrl_term.agent.loop import run_episode
-        from jaxrl_term.reward.verifier import verify
-        from jaxrl_term.tasks.check import run_oracle
-        from jaxrl_term.tasks.env import open_task_sandbox
+    def attempt_deadline(self, task: Task) -> float:
+        """Wall clock one try of an attempt may take, its sandbox's image build included: the training rollouts'
+        formula (``rollout.pipeline.attempt_deadline_s``) with the agent's limits of this policy (the oracle's and
+        nop's: the task's agent timeout), or ``EvalSettings.attempt_deadline_s`` when set. A try that passes it
+        (an engine call that never answers, a hung sandbox) is retried, then dropped as ``attempt_deadline``."""
+        from jaxrl_term.agent.loop import AgentLimits
+        from jaxrl_term.rollout.pipeline import attempt_deadline_s
 
+        if self.s.attempt_deadline_s is not None:
+            return self.s.attempt_deadline_s
+        if self.policy in HARNESS:
+            agent_s = task.agent_timeout_s or AgentLimits().trajectory_timeout_s
+        else:
+            agent_s = (self.limits or AgentLimits()).trajectory_timeout_s
+        return attempt_deadline_s(task, agent_s)
+
+    async def _try(self, task: Task, j: int, retry: int) -> tuple:
         if self.policy == "oracle" and task.solution is None:
             return "invalid", "no_solution", "the task has no oracle solution"
-
-        def fresh():
-            return open_task_sandbox(task, backend=self.backend, builder=self.builder, **self.sandbox_limits)
-
-        traj = None
+        deadline = self.attempt_deadline(task)
+        phase = {"at": "opening the sandbox (the image build included)"}
+        clock = None
         try:
-            async with open_task_sandbox(task, backend=self.backend, builder=self.builder,
-                                         labels={"jaxrl_term.eval": f"{j}"}, **self.sandbox_limits) as sb:
-                if self.policy == "oracle":
-                    traj = await _oracle_episode(task, sb, run_oracle)
-                elif self.policy != "nop":
-                    sampling = self.sampling.replace(seed=attempt_seed(self.s.seed, task.id, j, retry))
-                    traj = await run_episode(task, self.engine, sb, self.tok, self.scaffold_factory(),
-                                             sampling=sampling, limits=self.limits,
-                                             enable_thinking=self.enable_thinking)
-                    if not traj.valid:
-                        return "invalid", traj.end_reason, traj.error or traj.end_reason
-                result = await verify(task, sb, scoring=self.scoring, fresh=getattr(sb, "reopen", None) or fresh)
+            async with asyncio.timeout(deadline) as clock:
+                out = await self._episode(task, j, retry, phase)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the infrastructure broke: retried, then dropped
+            if clock is not None and clock.expired():  # also when closing the sandbox raised after the cancel
+                return "invalid", "attempt_deadline", f"passed its deadline of {deadline:.0f} s while {phase['at']}"
             kind = "build_error" if type(e).__name__ == "ImageBuildError" else "sandbox_error"
             return "invalid", kind, f"{type(e).__name__}: {e}"
+        if out[0] == "invalid":
+            return out
+        _, traj, result = out
         if not result.ok:
             return "invalid", result.outcome, result.error or result.outcome
         reward, parts = result.score, {"tests": result.score}
@@ -312,6 +317,36 @@ class Evaluator:
         if traj is not None:
             traj.reward, traj.reward_parts = reward, parts
         return "ok", traj, result, reward, parts
+
+    async def _episode(self, task: Task, j: int, retry: int, phase: dict) -> tuple:
+        """The sandbox, the policy's episode and the verifier, under the attempt's clock (``phase`` says where
+        it is): ("done", trajectory or None, verifier result), or ("invalid", failure, error)."""
+        from jaxrl_term.agent.loop import run_episode
+        from jaxrl_term.reward.verifier import verify
+        from jaxrl_term.tasks.check import run_oracle
+        from jaxrl_term.tasks.env import open_task_sandbox
+
+        def fresh():
+            return open_task_sandbox(task, backend=self.backend, builder=self.builder, **self.sandbox_limits)
+
+        traj = None
+        async with open_task_sandbox(task, backend=self.backend, builder=self.builder,
+                                     labels={"jaxrl_term.eval": f"{j}"}, **self.sandbox_limits) as sb:
+            phase["at"] = "running the agent" if self.policy != "oracle" else "running the oracle solution"
+            if self.policy == "oracle":
+                traj = await _oracle_episode(task, sb, run_oracle)
+            elif self.policy != "nop":
+                sampling = self.sampling.replace(seed=attempt_seed(self.s.seed, task.id, j, retry))
+                traj = await run_episode(task, self.engine, sb, self.tok, self.scaffold_factory(),
+                                         sampling=sampling, limits=self.limits,
+                                         enable_thinking=self.enable_thinking)
+                if not traj.valid:
+                    phase["at"] = "closing the sandbox"
+                    return "invalid", traj.end_reason, traj.error or traj.end_reason
+            phase["at"] = "running the verifier"
+            result = await verify(task, sb, scoring=self.scoring, fresh=getattr(sb, "reopen", None) or fresh)
+            phase["at"] = "closing the sandbox"
+        return "done", traj, result
 
     def _record(self, task, j, traj, result, reward, parts, wall_s: float, retry: int) -> dict:
         rid = f"{task.id}/attempt-{j}"

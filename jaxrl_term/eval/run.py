@@ -152,7 +152,7 @@ def load_checkpoint(cfg):
 def settings(cfg) -> EvalSettings:
     e = cfg.eval
     return EvalSettings(attempts=e.attempts, concurrency=e.concurrency, max_retries=e.max_retries, seed=e.seed,
-                        progress=e.progress)
+                        progress=e.progress, attempt_deadline_s=e.attempt_deadline_s)
 
 
 def sampling(cfg):

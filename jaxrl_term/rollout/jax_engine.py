@@ -192,7 +192,9 @@ class JaxEngine:
         self.tied = model.lm_head is None
         self._treedef = jax.tree.structure(params)
         self._shapes = [x.shape for x in jax.tree.leaves(params)]
-        self.w = self._weights(params, copy=False)
+        # its own copy from the start (unless share_params): the trainer that built it from its live params
+        # donates them in its first update while the next step's rollouts still decode with these
+        self.w = self._weights(params)
         b, s = self.cfg.max_batch, self.cfg.max_seq_len
         cache_dtype = model.options.cdtype
         k_shape, v_shape = model.kv_cache_shapes(b, s)

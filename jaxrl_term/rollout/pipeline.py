@@ -96,7 +96,20 @@ async def default_reward(task: Task, traj: Trajectory, result) -> tuple[float | 
     return result.score, {"tests": result.score}
 
 
-ATTEMPT_MARGIN_S = 600.0  # an attempt's deadline beyond the sum of its parts' limits (RolloutPipeline.attempt_deadline)
+ATTEMPT_MARGIN_S = 600.0  # an attempt's deadline beyond the sum of its parts' limits (attempt_deadline_s)
+
+
+def attempt_deadline_s(task: Task, trajectory_timeout_s: float, *, opened: bool = False) -> float:
+    """Wall clock an episode attempt may take: the task image's build (until its sandbox is open; waiting for a
+    sandbox slot included), then the agent's time (``trajectory_timeout_s``, capped by the task's own), three
+    verifier runs (the tests, a re-check on a fresh sandbox, a network confirmation) and ATTEMPT_MARGIN_S for
+    sandboxes starting and closing; ``opened``: the clock restarted once the sandbox is open (no build).
+    Every part has its own limit; this one only turns a hang that escaped them (an engine API call that never
+    answers, a bug) into a dropped, retried attempt that says where it hung. Training rollouts
+    (RolloutPipeline) and evaluation attempts (jaxrl_term.eval) share it."""
+    agent_s = min(trajectory_timeout_s, task.agent_timeout_s or float("inf"))
+    rest = agent_s + 3 * task.test_timeout_s + ATTEMPT_MARGIN_S
+    return rest if opened else task.environment.build_timeout_s + rest
 
 
 class RolloutPipeline:
@@ -269,18 +282,11 @@ class RolloutPipeline:
         return None
 
     def attempt_deadline(self, task: Task, opened: bool = False) -> float:
-        """Wall clock an episode attempt may take: the task image's build (until its sandbox is open; waiting
-        for a sandbox slot included), then the agent's time, three verifier runs (the tests, a re-check on a
-        fresh sandbox, a network confirmation) and ATTEMPT_MARGIN_S for sandboxes starting and closing; the
-        clock restarts without the build once the sandbox is open (or the pipeline's ``attempt_deadline_s``
-        for each part). Every part has its own limit; this one only turns a hang that escaped them (an engine API
-        call that never answers, a bug) into a dropped, retried attempt that says where it hung, instead of a
-        run that waits forever with no log line."""
+        """An attempt's wall clock (module-level ``attempt_deadline_s``), or the pipeline's
+        ``attempt_deadline_s`` for each part when it was given."""
         if self._attempt_deadline_s is not None:
             return self._attempt_deadline_s
-        agent_s = min(self.limits.trajectory_timeout_s, task.agent_timeout_s or float("inf"))
-        rest = agent_s + 3 * task.test_timeout_s + ATTEMPT_MARGIN_S
-        return rest if opened else task.environment.build_timeout_s + rest
+        return attempt_deadline_s(task, self.limits.trajectory_timeout_s, opened=opened)
 
     async def _attempt(self, task: Task, seq: int, k: int, attempt: int):
         where = {"at": "opening the sandbox (the image build included)", "deadline": self.attempt_deadline(task)}
