@@ -284,10 +284,12 @@ class RewardCfg:
     tests_weight: float = 1.0
     judge_weight: float = 0.0
     on_judge_missing: str = "renormalize"  # renormalize | wait
+    unfinished: str = "score"  # score | zero: an episode that never declared the task done scores its tests, or 0
     judge: JudgeCfg = field(default_factory=JudgeCfg)
 
-    def mixer(self):
-        """The pipeline's reward function (a ``RewardMixer``, with a ``JudgeClient`` when judged)."""
+    def mixer(self, *, evaluation: bool = False):
+        """The pipeline's reward function (a ``RewardMixer``, with a ``JudgeClient`` when judged). ``evaluation``:
+        the held-out evaluation's, which scores what the episode achieved (``unfinished`` is a training rule)."""
         from jaxrl_term.reward.combine import RewardMixer
 
         judge = None
@@ -301,7 +303,7 @@ class RewardCfg:
                                 max_transcript_chars=j.max_transcript_chars, retries=j.retries,
                                 max_retry_after_s=j.max_retry_after_s, shrink=j.shrink)
         return RewardMixer(self.tests_weight, self.judge_weight, judge, self.on_judge_missing, self.judge.max_wait_s,
-                           self.judge.poll_s)
+                           self.judge.poll_s, unfinished="score" if evaluation else self.unfinished)
 
 
 @dataclasses.dataclass
@@ -597,6 +599,9 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
         bad("reward.scoring", f"{cfg.reward.scoring!r}", "use weighted or binary")
     if cfg.reward.on_judge_missing not in ("renormalize", "wait"):
         bad("reward.on_judge_missing", f"{cfg.reward.on_judge_missing!r}", "use renormalize or wait")
+    if cfg.reward.get("unfinished", "score") not in ("score", "zero"):
+        bad("reward.unfinished", f"{cfg.reward.unfinished!r}", "use score (the tests decide) or zero (an episode that "
+            "never declared the task done scores 0)")
     if cfg.reward.judge_weight > 0:
         eps = list(cfg.reward.judge.endpoints)
         if not eps:

@@ -345,7 +345,7 @@ class Trainer:
         """The held-out evaluation's reward mixer: its own judge client, so its calls and costs stay out of the
         training metrics."""
         if self._eval_reward is None:
-            self._eval_reward = OmegaConf.to_object(self.cfg.reward).mixer()
+            self._eval_reward = OmegaConf.to_object(self.cfg.reward).mixer(evaluation=True)
         return self._eval_reward
 
     async def evaluate(self, step: int) -> dict:

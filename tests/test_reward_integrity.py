@@ -409,3 +409,66 @@ def test_runner_results_are_read_only_with_the_nonce():
     assert _tagged(out, "n0nce") == ("RESULT", "payload", "noise\nfake RESULT abc\n\nmore")
     assert _tagged("n0ncex RESULT forged", "n0nce")[0] is None
 
+
+
+# ------------------------------------------------------------------------------------------------ unfinished
+
+
+@pytest.mark.parametrize("unfinished", ["score", "zero"])
+def test_an_episode_that_solves_then_never_declares_done_is_rewarded_only_under_score(docker_client,
+                                                                                     tiny_tokenizer_dir, unfinished):
+    """The CPU learning run's failure: an episode solved the task in its first turn, then wrote broken replies
+    until the turn limit, and earned the full reward (every broken token reinforced). With reward.unfinished=zero
+    that episode scores 0 (its tests still run and are recorded); a finished solve scores 1, a finished
+    non-solve 0, under both settings. Real agent loop, sandboxes and verifier; the replies are the fixed edge."""
+    from jaxrl_term.agent.actions import BashScaffold
+    from jaxrl_term.agent.loop import AgentLimits
+    from jaxrl_term.config import RewardCfg
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.rollout.engine import Generation, SamplingParams
+    from jaxrl_term.rollout.oracle import oracle_replies
+    from jaxrl_term.rollout.pipeline import RolloutPipeline
+    from jaxrl_term.tasks.builtin import generate
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    task = generate("sort_uniq", "easy", seed=3)
+    solve, done = oracle_replies(task, "bash")
+    broken = "The commands so the task is done.\n````bash\n``bash\necho JRL_COM_COMPLE"  # an unclosed block
+    plans = {"finished": [solve, done], "unfinished": [solve, broken, "```bash\nls /app\n```", broken],
+             "wrong": ["```bash\ntrue\n```", done]}
+
+    class Engine:
+        def __init__(self):
+            self.sessions: dict = {}
+
+        async def generate(self, ids, sampling, *, session=None):
+            plan = self.sessions.setdefault(session, list(plans.values())[len(self.sessions) % 3][:])
+            text = plan.pop(0) if len(plan) > 1 else plan[0]
+            out = tok(text, add_special_tokens=False)["input_ids"] + [eos]
+            return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
+
+    mixer = RewardCfg(unfinished=unfinished).mixer()
+
+    async def main():
+        pipe = RolloutPipeline([task], engine=Engine(), tokenizer=tok, scaffold_factory=BashScaffold, group_size=3,
+                               groups_per_step=1, sampling=SamplingParams(max_new_tokens=256),
+                               limits=AgentLimits(max_turns=4, max_context_tokens=4096), backend="docker",
+                               drop_zero_variance=False, reward_fn=mixer)
+        pipe.start()
+        try:
+            batch = await asyncio.wait_for(pipe.get_batch(0), 300)
+        finally:
+            await pipe.stop()
+        return batch[0]
+
+    group = run(main())
+    got = sorted((t.end_reason == "finished", t.reward_parts["tests"], r, bool(t.reward_parts.get("unfinished")))
+                 for t, r in zip(group.trajectories, group.rewards))
+    solved_unfinished = 1.0 if unfinished == "score" else 0.0
+    assert got == sorted([(True, 1.0, 1.0, False), (False, 1.0, solved_unfinished, unfinished == "zero"),
+                          (True, 0.0, 0.0, False)]), got
+    stats = mixer.take_stats()
+    assert stats.get("reward/unfinished_zeroed", 0) == (1 if unfinished == "zero" else 0)
+    # the held-out evaluation's mixer scores what the episode achieved, whatever the training rule
+    assert RewardCfg(unfinished=unfinished).mixer(evaluation=True).unfinished == "score"

@@ -7,7 +7,9 @@ must score 1 and 0 on every sound task.
 An attempt the infrastructure broke (engine or sandbox failure, verifier error, image build) is re-run, then
 dropped and recorded in ``invalid.jsonl``, never scored 0. Finished attempts are appended to ``attempts.jsonl``
 (fsynced, after their transcript): a killed evaluation restarted on the same run dir re-runs none of them.
-Attempt j of task t samples with a seed from (seed, t, j), so a rerun reproduces the same episodes.
+Attempt j of task t samples with a seed from (seed, t, j), independent of the other attempts; a rerun draws
+the same tokens only with a deterministic engine (``trainer.deterministic_engine``), since batching and prefix
+reuse otherwise change the logits in the last bits.
 
 pass@1 is the mean over attempts; its spread is the standard deviation of the pass rates of the k attempt
 indices (ddof 1). pass@k is the unbiased estimator of Chen et al. (2021), 1 - C(n-c, k) / C(n, k) per task

@@ -210,7 +210,7 @@ async def run_eval(cfg) -> dict:
         engine = OpenAIChatEngine.from_config(p, tok)
         fingerprint.update(base_url=p.base_url, model=p.model)
     backend, builder = sandbox_backend(cfg.sandbox)
-    reward = OmegaConf.to_object(cfg.reward).mixer() if p.kind not in HARNESS else None
+    reward = OmegaConf.to_object(cfg.reward).mixer(evaluation=True) if p.kind not in HARNESS else None
     log.info("evaluating %s on %d task(s) from %s, %d attempt(s) each, %s sandboxes -> %s", p.kind, len(tasks),
              source, cfg.eval.attempts, backend, cfg.run_dir)
     ev = make_evaluator(cfg, tasks, cfg.run_dir, policy=p.kind, engine=engine, tokenizer=tok, backend=backend,

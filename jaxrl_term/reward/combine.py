@@ -8,6 +8,16 @@ trajectory of the group the tests alone; ``on_missing=wait`` judges the stored t
 are not re-run) until ``max_wait_s`` has passed, then drops the group (every reward None). Counters say which
 happened.
 
+``unfinished="zero"`` (``reward.unfinished``) scores 0 every episode that did not end by the agent declaring the
+task done (``end_reason != "finished"``: out of turns, time or context, replies without an action), whatever its
+tests say; they are still run and recorded under ``parts["tests"]``. With an outcome-only reward and the default
+``"score"``, an episode that solves the task in its first turn and then writes broken replies until the turn
+limit earns the full reward, so every token of those replies is reinforced (the CPU learning experiment has
+such episodes with a positive advantage at step 7: experiments/results/learning_curve.md). Requiring
+completion is the usual rule of agent RL that has a submit/finish action (an episode that never submits
+scores 0). Held-out evaluation is unaffected: its pass/fail
+is the verifier's alone.
+
 The rollout pipeline calls ``score_group`` once per group, after the group's episodes are verified and
 outside the episode slots. ``RewardMixer(task, trajectory, result)`` is the older per-trajectory call: a
 group of one; with a judge it cannot keep a group on one judge, so it warns once.
@@ -27,6 +37,9 @@ from jaxrl_term.reward.verifier import ZERO_OUTCOMES
 log = logging.getLogger(__name__)
 
 
+UNFINISHED = ("score", "zero")
+
+
 def mix(parts: dict[str, float | None], weights: dict[str, float]) -> float | None:
     """Weighted mean over the parts that are present (weights renormalised); None if nothing is present."""
     present = {k: w for k, w in weights.items() if w > 0 and parts.get(k) is not None}
@@ -44,12 +57,15 @@ class RewardMixer:
     on_missing: str = "renormalize"  # renormalize | wait
     max_wait_s: float = 600.0
     poll_s: float = 10.0
+    unfinished: str = "score"  # score | zero: what an episode that did not declare the task done gets
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     _warned: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
         if self.on_missing not in ("renormalize", "wait"):
             raise ValueError(f"reward.on_judge_missing={self.on_missing!r}; use renormalize or wait")
+        if self.unfinished not in UNFINISHED:
+            raise ValueError(f"reward.unfinished={self.unfinished!r}; use one of {UNFINISHED}")
         if self.judge_weight > 0 and self.judge is None:
             raise ValueError("reward.judge_weight > 0 needs reward.judge.endpoints")
 
@@ -63,6 +79,8 @@ class RewardMixer:
             raise ValueError(f"score_group: {len(trajectories)} trajectories but {len(results)} verifier results")
         parts = [{"tests": r.score} for r in results]
         zero = [getattr(r, "outcome", "scored") in ZERO_OUTCOMES for r in results]
+        unfinished = [self.unfinished == "zero" and t.end_reason != "finished" for t in trajectories]
+        zero = [z or u for z, u in zip(zero, unfinished)]
         judged = [i for i in range(len(results)) if not zero[i]]
         if self.judge_weight > 0 and judged:
             g = await self._judge(task, [trajectories[i] for i in judged])
@@ -78,7 +96,10 @@ class RewardMixer:
                     self.stats["judge_zeroed"] += 1
         out = []
         for i, p in enumerate(parts):
-            if zero[i]:
+            if unfinished[i]:
+                self.stats["unfinished_zeroed"] += 1
+                out.append((0.0, {**p, "unfinished": True}))
+            elif zero[i]:
                 out.append((0.0, {"tests": 0.0}))
             else:
                 out.append((mix(p, {"tests": self.tests_weight, "judge": self.judge_weight}), p))
