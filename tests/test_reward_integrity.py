@@ -199,48 +199,60 @@ def test_check_reports_a_cheating_oracle_as_broken(docker_client):
     assert res.broken and res.outcome == "tampered" and "ld.so.preload" in res.reason
 
 
-def test_pipeline_scores_tampered_and_sabotaged_0_counts_them_and_never_retries(docker_client, tiny_tokenizer_dir,
-                                                                               tasks):
-    from jaxrl_term.agent.actions import SENTINEL, BashScaffold
+def _one_group(task, tokenizer_dir, plans, reward_fn, *, max_turns, max_new_tokens):
+    """One group of len(plans) episodes of ``task`` through the real pipeline (Docker sandboxes, verifier,
+    ``reward_fn``); episode i replies with plans[i] in order, repeating its last reply. Returns (group, counters)."""
+    from jaxrl_term.agent.actions import BashScaffold
     from jaxrl_term.agent.loop import AgentLimits
     from jaxrl_term.model.tokenizer import load_tokenizer
     from jaxrl_term.rollout.engine import Generation, SamplingParams
     from jaxrl_term.rollout.pipeline import RolloutPipeline
 
-    tok = load_tokenizer(tiny_tokenizer_dir)
+    tok = load_tokenizer(tokenizer_dir)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
-    task = tasks["Harbor test.sh"]
-    # episode 1 tampers with the toolchain, episode 2 breaks the verifier; neither does the task
-    plans = [[("```bash\nprintf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /usr/local/bin/python3; "
-              "chmod +x /usr/local/bin/python3\n```")], ["```bash\nrm -f /app/data.json\n```"]]
 
     class Engine:
         def __init__(self):
             self.sessions: dict = {}
 
         async def generate(self, ids, sampling, *, session=None):
-            plan = self.sessions.setdefault(session, [*plans[len(self.sessions) % 2], f"```bash\necho {SENTINEL}\n```"])
+            plan = self.sessions.setdefault(session, list(plans[len(self.sessions) % len(plans)]))
             out = tok(plan.pop(0) if len(plan) > 1 else plan[0], add_special_tokens=False)["input_ids"] + [eos]
             return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
 
-    async def judge_everything_is_great(task, traj, result):
-        return 1.0, {"judge": 1.0}
-
     async def main():
-        pipe = RolloutPipeline([task], engine=Engine(), tokenizer=tok, scaffold_factory=BashScaffold, group_size=2,
-                               groups_per_step=1, sampling=SamplingParams(max_new_tokens=64),
-                               limits=AgentLimits(max_turns=3, max_context_tokens=4096), backend="docker",
-                               drop_zero_variance=False, reward_fn=judge_everything_is_great)
+        pipe = RolloutPipeline([task], engine=Engine(), tokenizer=tok, scaffold_factory=BashScaffold,
+                               group_size=len(plans), groups_per_step=1,
+                               sampling=SamplingParams(max_new_tokens=max_new_tokens),
+                               limits=AgentLimits(max_turns=max_turns, max_context_tokens=4096), backend="docker",
+                               drop_zero_variance=False, reward_fn=reward_fn)
         pipe.start()
         try:
             batch = await asyncio.wait_for(pipe.get_batch(0), 300)
         finally:
             await pipe.stop()
-        return batch, pipe.take_counters()
+        return batch[0], pipe.take_counters()
 
-    batch, counters = run(main())
-    outcomes = sorted(t.reward_parts["outcome"] for t in batch[0].trajectories)
-    assert outcomes == ["tampered", "verifier_sabotaged"] and batch[0].rewards == [0.0, 0.0]
+    return run(main())
+
+
+def test_pipeline_scores_tampered_and_sabotaged_0_counts_them_and_never_retries(docker_client, tiny_tokenizer_dir,
+                                                                               tasks):
+    from jaxrl_term.agent.actions import SENTINEL
+
+    task = tasks["Harbor test.sh"]
+    # episode 1 tampers with the toolchain, episode 2 breaks the verifier; neither does the task
+    plans = [["```bash\nprintf '#!/bin/sh\\necho 1 > /logs/verifier/reward.txt\\n' > /usr/local/bin/python3; "
+              "chmod +x /usr/local/bin/python3\n```", f"```bash\necho {SENTINEL}\n```"],
+             ["```bash\nrm -f /app/data.json\n```", f"```bash\necho {SENTINEL}\n```"]]
+
+    async def judge_everything_is_great(task, traj, result):
+        return 1.0, {"judge": 1.0}
+
+    group, counters = _one_group(task, tiny_tokenizer_dir, plans, judge_everything_is_great, max_turns=3,
+                                 max_new_tokens=64)
+    outcomes = sorted(t.reward_parts["outcome"] for t in group.trajectories)
+    assert outcomes == ["tampered", "verifier_sabotaged"] and group.rewards == [0.0, 0.0]
     assert counters.get("pipeline/tampered") == 1 and counters.get("pipeline/verifier_sabotaged") == 1
     assert not counters.get("pipeline/retry_verifier_error") and counters["pipeline/episodes"] == 2
 
@@ -417,52 +429,22 @@ def test_runner_results_are_read_only_with_the_nonce():
 @pytest.mark.parametrize("unfinished", ["score", "zero"])
 def test_an_episode_that_solves_then_never_declares_done_is_rewarded_only_under_score(docker_client,
                                                                                      tiny_tokenizer_dir, unfinished):
-    """The CPU learning run's failure: an episode solved the task in its first turn, then wrote broken replies
+    """Seen in the CPU learning run: an episode solved the task in its first turn, then wrote broken replies
     until the turn limit, and earned the full reward (every broken token reinforced). With reward.unfinished=zero
     that episode scores 0 (its tests still run and are recorded); a finished solve scores 1, a finished
     non-solve 0, under both settings. Real agent loop, sandboxes and verifier; the replies are the fixed edge."""
-    from jaxrl_term.agent.actions import BashScaffold
-    from jaxrl_term.agent.loop import AgentLimits
     from jaxrl_term.config import RewardCfg
-    from jaxrl_term.model.tokenizer import load_tokenizer
-    from jaxrl_term.rollout.engine import Generation, SamplingParams
     from jaxrl_term.rollout.oracle import oracle_replies
-    from jaxrl_term.rollout.pipeline import RolloutPipeline
     from jaxrl_term.tasks.builtin import generate
 
-    tok = load_tokenizer(tiny_tokenizer_dir)
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
     task = generate("sort_uniq", "easy", seed=3)
     solve, done = oracle_replies(task, "bash")
     broken = "The commands so the task is done.\n````bash\n``bash\necho JRL_COM_COMPLE"  # an unclosed block
     plans = {"finished": [solve, done], "unfinished": [solve, broken, "```bash\nls /app\n```", broken],
              "wrong": ["```bash\ntrue\n```", done]}
 
-    class Engine:
-        def __init__(self):
-            self.sessions: dict = {}
-
-        async def generate(self, ids, sampling, *, session=None):
-            plan = self.sessions.setdefault(session, list(plans.values())[len(self.sessions) % 3][:])
-            text = plan.pop(0) if len(plan) > 1 else plan[0]
-            out = tok(text, add_special_tokens=False)["input_ids"] + [eos]
-            return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
-
     mixer = RewardCfg(unfinished=unfinished).mixer()
-
-    async def main():
-        pipe = RolloutPipeline([task], engine=Engine(), tokenizer=tok, scaffold_factory=BashScaffold, group_size=3,
-                               groups_per_step=1, sampling=SamplingParams(max_new_tokens=256),
-                               limits=AgentLimits(max_turns=4, max_context_tokens=4096), backend="docker",
-                               drop_zero_variance=False, reward_fn=mixer)
-        pipe.start()
-        try:
-            batch = await asyncio.wait_for(pipe.get_batch(0), 300)
-        finally:
-            await pipe.stop()
-        return batch[0]
-
-    group = run(main())
+    group, _ = _one_group(task, tiny_tokenizer_dir, list(plans.values()), mixer, max_turns=4, max_new_tokens=256)
     got = sorted((t.end_reason == "finished", t.reward_parts["tests"], r, bool(t.reward_parts.get("unfinished")))
                  for t, r in zip(group.trajectories, group.rewards))
     solved_unfinished = 1.0 if unfinished == "score" else 0.0
