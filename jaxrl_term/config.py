@@ -599,7 +599,9 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
         bad("reward.scoring", f"{cfg.reward.scoring!r}", "use weighted or binary")
     if cfg.reward.on_judge_missing not in ("renormalize", "wait"):
         bad("reward.on_judge_missing", f"{cfg.reward.on_judge_missing!r}", "use renormalize or wait")
-    if cfg.reward.get("unfinished", "score") not in ("score", "zero"):
+    from jaxrl_term.reward.combine import UNFINISHED
+
+    if cfg.reward.unfinished not in UNFINISHED:
         bad("reward.unfinished", f"{cfg.reward.unfinished!r}", "use score (the tests decide) or zero (an episode that "
             "never declared the task done scores 0)")
     if cfg.reward.judge_weight > 0:

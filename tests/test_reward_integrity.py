@@ -422,7 +422,6 @@ def test_runner_results_are_read_only_with_the_nonce():
     assert _tagged("n0ncex RESULT forged", "n0nce")[0] is None
 
 
-
 # ------------------------------------------------------------------------------------------------ unfinished
 
 

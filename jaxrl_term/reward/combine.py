@@ -15,8 +15,7 @@ tests say; they are still run and recorded under ``parts["tests"]``. With an out
 limit earns the full reward, so every token of those replies is reinforced (the CPU learning experiment has
 such episodes with a positive advantage at step 7: experiments/results/learning_curve.md). Requiring
 completion is the usual rule of agent RL that has a submit/finish action (an episode that never submits
-scores 0). Held-out evaluation is unaffected: its pass/fail
-is the verifier's alone.
+scores 0). Held-out evaluation is unaffected: its pass/fail is the verifier's alone.
 
 The rollout pipeline calls ``score_group`` once per group, after the group's episodes are verified and
 outside the episode slots. ``RewardMixer(task, trajectory, result)`` is the older per-trajectory call: a
