@@ -336,6 +336,7 @@ class TrainerCfg:
     max_episode_retries: int = 2
     drop_zero_variance: bool = True  # active sampling
     max_filtered_per_step: Optional[int] = None  # then zero-variance groups are used (default 4 x groups)
+    max_consecutive_failed_groups: int = 8  # stop the run when this many groups in a row failed after retries
     checkpoint_every: int = 1
     keep_checkpoints: int = 3
     resume: str = "auto"  # auto (if the run dir has checkpoints) | true | false
@@ -622,6 +623,9 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
                                                     "and then be dropped", keys)
     if cfg.trainer.resume not in ("auto", "true", "false"):
         bad("trainer.resume", f"{cfg.trainer.resume!r}", "use auto, true or false")
+    if cfg.trainer.max_consecutive_failed_groups < 1:
+        bad("trainer.max_consecutive_failed_groups", f"{cfg.trainer.max_consecutive_failed_groups} must be >= 1 "
+            "(groups dropped on errors in a row before the run stops)")
     if cfg.trainer.max_consecutive_skips < 1:
         bad("trainer.max_consecutive_skips", f"{cfg.trainer.max_consecutive_skips} must be >= 1")
     if cfg.trainer.eval_every < 0:

@@ -302,6 +302,7 @@ class Trainer:
             max_concurrent_episodes=cfg.trainer.max_concurrent_episodes,
             max_episode_retries=cfg.trainer.max_episode_retries, drop_zero_variance=cfg.trainer.drop_zero_variance,
             max_filtered_per_step=cfg.trainer.max_filtered_per_step,
+            max_consecutive_failed_groups=cfg.trainer.max_consecutive_failed_groups,
             max_off_policy_steps=cfg.trainer.max_off_policy_steps, enable_thinking=agent.enable_thinking,
             seed=cfg.seed, start_seq=self.start_seq, policy_version=self.start_step, sampler=sampler)
 

@@ -162,6 +162,7 @@ def test_bad_settings_fail_in_one_pass_before_any_work_and_leave_no_run_dir(tmp_
     (["agent.scaffold=nope"], "agent.scaffold"),
     (["data.source=builtin:nope"], "data.source"),
     (["reward.unfinished=zer0"], "reward.unfinished"),
+    (["trainer.max_consecutive_failed_groups=0"], "trainer.max_consecutive_failed_groups"),
 ], ids=lambda x: str(x))
 def test_each_trap_is_refused_naming_its_key(overrides, key, tmp_path):
     proc = _train(["+experiment=tiny_cpu", *overrides, f"run_dir={tmp_path / 'never'}"])

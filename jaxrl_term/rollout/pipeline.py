@@ -7,6 +7,9 @@ or sandbox failures) and verifier errors are retried, then the group is dropped;
 dropped and more tasks drawn ("active sampling"); every drop is counted. Attempts the verifier finds
 ``tampered`` or ``verifier_sabotaged`` score 0 and are never retried (``pipeline/tampered``,
 ``pipeline/verifier_sabotaged``): breaking the verifier must not be a way out of a bad outcome.
+Each dropped group says why (its first failed episode's last attempt). ``max_consecutive_failed_groups``
+dropped groups in a row raise ``RolloutStalled``: infrastructure that fails every episode (a wedged Docker
+daemon times out every call) stops the run with the reasons, rather than retrying new groups for ever.
 Rewards are computed once per group, after its episodes are verified and outside the episode slots: a
 ``reward_fn`` with ``score_group`` (``RewardMixer``) gets the whole group, so one judge scores all of it and
 a missing judgement is missing for all of it; a group whose rewards are missing (``wait`` ran out) is
@@ -43,6 +46,10 @@ log = logging.getLogger(__name__)
 # (task, trajectory, verifier result) -> (reward, reward parts); the default is the verifier's score. An object
 # that also has ``score_group(task, trajectories, results) -> [(reward, parts)]`` is called once per group.
 RewardFn = Callable[[Task, Trajectory, Any], Awaitable[tuple[float | None, dict]]]
+
+
+class RolloutStalled(RuntimeError):
+    """Too many groups in a row were dropped on errors (sandbox, engine, verifier): the run stops, to resume."""
 
 
 class TaskSampler:
@@ -142,9 +149,12 @@ class RolloutPipeline:
         sampler=None,
         progress_every_s: float = 30.0,
         attempt_deadline_s: float | None = None,
+        max_consecutive_failed_groups: int = 8,
     ):
         if group_size < 2:
             raise ValueError("algo.group_size must be >= 2 for group-relative advantages")
+        if max_consecutive_failed_groups < 1:
+            raise ValueError(f"trainer.max_consecutive_failed_groups={max_consecutive_failed_groups}: must be >= 1")
         # ``sampler``: TaskSampler (default) or tasks.curriculum.CurriculumSampler (observes consumed groups)
         self.sampler = sampler or TaskSampler(tasks, seed)
         self.engine, self.tok, self.scaffold_factory = engine, tokenizer, scaffold_factory
@@ -177,6 +187,10 @@ class RolloutPipeline:
         self._busy_mark = time.monotonic()
         self.progress_every_s = progress_every_s  # a log line while the trainer waits longer than this
         self._attempt_deadline_s = attempt_deadline_s  # None: from each task's limits (attempt_deadline)
+        # the stall guard: groups dropped on errors in a row (in the order the trainer takes them) stop the run
+        self.max_failed_in_row = max_consecutive_failed_groups
+        self._failed_in_row: list[str] = []
+        self._why: dict[tuple[int, int], str] = {}  # (seq, k): why the episode's last attempt failed
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -237,8 +251,12 @@ class RolloutPipeline:
         t0 = time.monotonic()
         try:
             outcomes = await asyncio.gather(*(self._episode(task, seq, k) for k in range(self.G)))
-            if any(o is None for o in outcomes):
-                group = Group(seq, task, [], [], -1, t0, time.monotonic(), "an episode failed after its retries")
+            failed = [k for k, o in enumerate(outcomes) if o is None]
+            if failed:
+                why = self._why.pop((seq, failed[0]), "unknown")
+                group = Group(seq, task, [], [], -1, t0, time.monotonic(),
+                              f"{len(failed)}/{self.G} episodes failed after their retries (episode {failed[0]}'s "
+                              f"last attempt: {why})")
             else:
                 trajs = [o[0] for o in outcomes]
                 version = group_version(trajs)
@@ -256,6 +274,9 @@ class RolloutPipeline:
         except Exception as e:  # noqa: BLE001 - a broken group is dropped and counted, the run goes on
             log.exception("group %d (%s) failed", seq, task.id)
             group = Group(seq, task, [], [], -1, t0, time.monotonic(), f"{type(e).__name__}: {e}")
+        finally:
+            for k in range(self.G):
+                self._why.pop((seq, k), None)
         async with self._changed:
             self._results[seq] = group
             self._tasks.pop(seq, None)
@@ -269,6 +290,7 @@ class RolloutPipeline:
         """One episode with retries: (trajectory, verifier result), or None when every attempt failed."""
         for attempt in range(self.max_retries + 1):
             if task.id in self.needs_network:  # excluded: its verifier cannot run here; no retry can change that
+                self._why[(seq, k)] = "the task's verifier needs network the sandbox does not have (excluded)"
                 break
             async with self._episode_sem:
                 self._episode_started()
@@ -296,6 +318,7 @@ class RolloutPipeline:
                 return await self._attempt_within(task, seq, k, attempt, where)
         except TimeoutError:
             self.counters["retry_attempt_deadline"] += 1
+            self._why[(seq, k)] = f"passed its deadline of {where['deadline']:.0f} s while {where['at']}"
             log.error("episode %d/%d of %s (attempt %d) passed its deadline of %.0f s while %s: dropped, and "
                       "retried while retries are left (pipeline/retry_attempt_deadline)", seq, k, task.id, attempt,
                       where["deadline"], where["at"])
@@ -316,6 +339,7 @@ class RolloutPipeline:
                     self.end_reasons[traj.end_reason] += 1
                     if not traj.valid:
                         self.counters[f"retry_{traj.end_reason}"] += 1
+                        self._why[(seq, k)] = f"the episode ended invalid ({traj.end_reason})"
                         return None
                     # a verifier error is re-checked on a fresh sandbox of the task (outside the pool: this one is
                     # held) (a sandbox of the same task with this one's settings, pool defaults included: sb.reopen)
@@ -329,15 +353,18 @@ class RolloutPipeline:
         except Exception as e:  # noqa: BLE001 - sandbox / build failures: retried, then dropped
             log.warning("episode %d/%d of %s failed: %s: %s", seq, k, task.id, type(e).__name__, e)
             self.counters["retry_sandbox_exception"] += 1
+            self._why[(seq, k)] = f"{type(e).__name__}: {str(e)[:300]}"
             return None
         if result.outcome == "verifier_needs_network":  # never a 0 for the agent: dropped, and said loudly
             if task.id not in self.needs_network:
                 self.needs_network.add(task.id)
                 log.error("task %s: %s; its episodes are dropped, not scored", task.id, result.error)
             self.counters["verifier_needs_network"] += 1
+            self._why[(seq, k)] = f"the verifier needs network: {result.error}"
             return None
         if not result.ok:
             self.counters["retry_verifier_error"] += 1
+            self._why[(seq, k)] = f"verifier error ({result.outcome}): {str(result.error)[:300]}"
             return None
         if result.toolchain and result.toolchain != "pristine":
             self.counters["verifier_toolchain_fallback"] += 1
@@ -406,8 +433,13 @@ class RolloutPipeline:
                 if observe is not None:
                     observe(self.consumed, None if g.error else g)
                 self.consumed += 1
+                if not g.error:  # a group that ran (stale, filtered or taken) ends a run of failures
+                    self._failed_in_row.clear()
                 if g.error:
                     self.counters["groups_dropped_errors"] += 1
+                    self._failed_in_row.append(f"group {g.seq} ({g.task.id}): {g.error}")
+                    if len(self._failed_in_row) >= self.max_failed_in_row:
+                        raise RolloutStalled(self._stall_message(step))
                 elif g.version < step - self.max_off:
                     self.counters["groups_stale"] += 1
                 elif self.drop_zero_variance and g.zero_variance and filtered < self.max_filtered:
@@ -419,6 +451,17 @@ class RolloutPipeline:
                     out.append(g)
                     self.taken += 1
                 self._changed.notify_all()
+
+    def _stall_message(self, step: int) -> str:
+        retries = {k: v for k, v in self.counters.items() if k.startswith("retry_")}
+        last = "\n  ".join(self._failed_in_row[-3:])
+        return (f"step {step}: {len(self._failed_in_row)} groups in a row were dropped because their episodes failed "
+                f"after {self.max_retries} retries each (trainer.max_consecutive_failed_groups="
+                f"{self.max_failed_in_row}); the run stops instead of waiting on infrastructure that does not work. "
+                f"The last ones:\n  {last}\nAttempt failures since the last step: {retries or 'none'}. Check the "
+                "sandbox backend (`docker info` must answer at once; a wedged dockerd times out every call: restart "
+                "it, then `python -m jaxrl_term.sandbox.docker reap --all`), the policy engine and the verifier, "
+                "then run the same command again: it resumes from the last checkpoint.")
 
     def take_counters(self) -> dict[str, int]:
         out = {f"pipeline/{k}": v for k, v in self.counters.items()}

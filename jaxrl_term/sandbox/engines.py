@@ -311,7 +311,12 @@ class EnginePool:
             # an engine that does not answer leaves the rotation before the episode is retried
             with self._lock:
                 engine.open -= 1
-            if not isinstance(error, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
+            if isinstance(error, asyncio.CancelledError) and engine.healthy:
+                # an attempt cut off (its deadline, or the run stopping): the engine may be what hung it (a wedged
+                # daemon accepts and never answers); the next attempt must not wait a whole deadline on it again
+                if not await asyncio.to_thread(engine.ping):
+                    engine.mark_down(self.cooldown_s, "it did not answer after a sandbox's work was cut off")
+            elif not isinstance(error, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
                 engine.failures += error is not None
                 if not await asyncio.to_thread(engine.ping):
                     why = f"{type(error).__name__}: {error}" if error is not None else "it stopped answering"
