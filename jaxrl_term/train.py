@@ -407,9 +407,10 @@ class Trainer:
         from jaxrl_term.rl.batch import Sample, make_batch
 
         rewards = check_rewards(np.array([g.rewards for g in groups], np.float32))
-        adv = group_advantages(rewards, self.algo.advantage, std_ddof=self.algo.std_ddof)
+        adv = group_advantages(rewards, self.algo.advantage, std_ddof=self.algo.std_ddof,
+                               negative_weight=self.algo.negative_weight)
         # fresh: sampled by the weights this step trains (lag 0); the engine/trainer gap is measured on those only
-        samples = [Sample(t.token_ids, t.loss_mask, t.logprobs, float(a), fresh=g.version >= step)
+        samples = [Sample(t.token_ids, t.train_mask(self.algo.mask_turns), t.logprobs, float(a), fresh=g.version >= step)
                    for g, row in zip(groups, adv) for t, a in zip(g.trajectories, row)]
         batch = make_batch(samples, buckets=self.cfg.trainer.buckets, row_multiple=self.ts.shards,
                            pack=self.cfg.trainer.pack, vocab_size=self.arch.vocab_size)
@@ -459,6 +460,9 @@ class Trainer:
         m.update({k.replace("turns", "episode/turns"): v for k, v in summarize([len(t.turns) for t in trajs], "turns").items()})
         m["episode/tokens_mean"] = float(np.mean([len(t.token_ids) for t in trajs]))
         m["episode/policy_tokens_mean"] = float(np.mean([t.num_policy_tokens for t in trajs]))
+        if self.algo.mask_turns != "none":  # the share of the policy's tokens algo.mask_turns took out of the loss
+            kept = sum(sum(t.train_mask(self.algo.mask_turns)) for t in trajs)
+            m["batch/turn_masked_frac"] = 1.0 - kept / max(1, sum(t.num_policy_tokens for t in trajs))
         m["episode/duration_s_mean"] = float(np.mean([t.duration_s for t in trajs]))
         for k, v in hist[-1].items():
             m[f"train/{k}"] = v

@@ -425,3 +425,29 @@ def test_the_agent_side_never_imports_jax():
     code = ("import sys, jaxrl_term.agent.loop, jaxrl_term.agent.trajectory, jaxrl_term.reward.verifier, "
             "jaxrl_term.tasks.env; print('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_mask_turns_malformed_drops_exactly_the_broken_and_cut_replies(tiny):
+    """algo.mask_turns=malformed: the tokens of a reply with a parse error and of a reply cut at the token limit
+    leave the loss; the well-formed turns keep every token, and the episode itself is unchanged."""
+    from jaxrl_term.agent.actions import SENTINEL
+
+    task = generate("create_file", "easy", seed=3)
+    replies = ["```bash\necho one\n```",  # well formed
+               "no code block at all",  # parse error
+               "```bash\necho " + "x " * 200 + "\n```",  # cut at max_tokens_per_turn (finish_reason length)
+               f"```bash\necho {SENTINEL}\n```"]  # well formed: the end
+    traj, _ = episode(task, ScriptedEngine(tiny, replies), tiny, "bash", "local", max_tokens_per_turn=48)
+    traj.check()
+    assert [bool(t.errors) for t in traj.turns] == [False, True, True, False]
+    assert [t.finish_reason for t in traj.turns] == ["stop", "stop", "length", "stop"]
+    assert traj.malformed_turns() == [1, 2]
+    assert traj.train_mask("none") == traj.loss_mask
+    mask = traj.train_mask("malformed")
+    for t in traj.turns:
+        span = mask[t.start:t.start + t.n_output]
+        assert span == ([0] * t.n_output if t.index in (1, 2) else [1] * t.n_output), t.index
+    assert sum(mask) == traj.turns[0].n_output + traj.turns[3].n_output
+    assert all(m == 0 for m, lm in zip(mask, traj.loss_mask) if lm == 0)  # nothing outside the policy's tokens
+    with pytest.raises(ValueError, match="algo.mask_turns"):
+        traj.train_mask("broken")

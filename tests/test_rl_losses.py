@@ -226,6 +226,22 @@ def test_estimators_match_formulas():
     np.testing.assert_allclose(np.asarray(group_advantages(jnp.asarray(r), "rloo")), np_rloo(r), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("w", [0.0, 0.1, 1.0])
+def test_negative_weight_scales_only_the_negative_advantages(w):
+    """algo.negative_weight: A < 0 becomes w A after the estimator; A >= 0 is untouched (numpy and jax alike)."""
+    rng = np.random.RandomState(7)
+    r = rng.uniform(0, 1, (4, 6)).astype(np.float32)
+    base = group_advantages(r, "grpo")
+    want = np.where(base < 0, w * base, base)
+    np.testing.assert_allclose(group_advantages(r, "grpo", negative_weight=w), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(group_advantages(jnp.asarray(r), "drgrpo", negative_weight=w)),
+                               np.where(r - r.mean(1, keepdims=True) < 0, w, 1.0) * (r - r.mean(1, keepdims=True)),
+                               rtol=1e-5, atol=1e-7)
+    assert group_advantages(r, "grpo", negative_weight=w).dtype == np.float32
+    with pytest.raises(ValueError, match="algo.negative_weight"):
+        group_advantages(r, "grpo", negative_weight=-0.5)
+
+
 def test_zero_variance_groups_are_flagged_and_get_zero_advantage():
     r = np.array([[1, 1, 1, 1], [0, 1, 0, 0], [0.35, 0.35, 0.35, 0.35]], np.float32)
     assert zero_variance_groups(r).tolist() == [True, False, True]

@@ -163,6 +163,8 @@ def test_bad_settings_fail_in_one_pass_before_any_work_and_leave_no_run_dir(tmp_
     (["data.source=builtin:nope"], "data.source"),
     (["reward.unfinished=zer0"], "reward.unfinished"),
     (["trainer.max_consecutive_failed_groups=0"], "trainer.max_consecutive_failed_groups"),
+    (["algo.mask_turns=broken"], "algo.mask_turns"),
+    (["algo.negative_weight=2"], "algo.negative_weight"),
 ], ids=lambda x: str(x))
 def test_each_trap_is_refused_naming_its_key(overrides, key, tmp_path):
     proc = _train(["+experiment=tiny_cpu", *overrides, f"run_dir={tmp_path / 'never'}"])

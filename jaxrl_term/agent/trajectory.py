@@ -14,6 +14,7 @@ from typing import Any
 END_REASONS = ("finished", "no_action", "max_turns", "context_full", "timeout", "parse_errors", "engine_error",
                "sandbox_error")
 INVALID_ENDS = ("engine_error", "sandbox_error")  # retry or drop; never a 0 reward
+MASK_TURNS = ("none", "malformed")  # algo.mask_turns: which turns' tokens leave the loss
 
 
 @dataclasses.dataclass
@@ -60,6 +61,23 @@ class Trajectory:
     @property
     def weight_versions(self) -> list[int]:
         return sorted({t.weight_version for t in self.turns if t.weight_version is not None})
+
+    def malformed_turns(self) -> list[int]:
+        """Indices of the turns whose reply had a parse error or was cut at the token limit."""
+        return [t.index for t in self.turns if t.errors or t.finish_reason == "length"]
+
+    def train_mask(self, mask_turns: str = "none") -> list[int]:
+        """The loss mask the trainer uses: ``loss_mask``, less the tokens of the turns ``mask_turns`` names
+        (``malformed``: those of ``malformed_turns``)."""
+        if mask_turns not in MASK_TURNS:
+            raise ValueError(f"algo.mask_turns={mask_turns!r}; use one of {MASK_TURNS}")
+        mask = list(self.loss_mask)
+        if mask_turns == "malformed":
+            drop = set(self.malformed_turns())
+            for t in self.turns:
+                if t.index in drop:
+                    mask[t.start:t.start + t.n_output] = [0] * t.n_output
+        return mask
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

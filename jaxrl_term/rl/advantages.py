@@ -45,18 +45,26 @@ def leave_one_out(rewards, **_):
     return (rewards - rewards.mean(axis=-1, keepdims=True)) * (g / (g - 1))
 
 
-def group_advantages(rewards, estimator: str = "grpo", *, eps: float = 1e-6, std_ddof: int = 0):
+def group_advantages(rewards, estimator: str = "grpo", *, eps: float = 1e-6, std_ddof: int = 0,
+                     negative_weight: float = 1.0):
     """rewards: [N, G] float -> advantages [N, G] float32 (numpy in, numpy out; jax in, jax out).
 
     ``std_ddof`` = 0 uses the population std (as most JAX GRPO code); 1 the sample std (TRL/verl).
+    ``negative_weight`` (``algo.negative_weight``) scales the negative advantages after the estimator: 1 leaves
+    them, 0 learns from the better-than-average episodes only, 0.1 is W-REINFORCE's weighting of negative samples.
     """
+    if not 0.0 <= negative_weight <= 1.0:
+        raise ValueError(f"algo.negative_weight={negative_weight}: must be in [0, 1]")
     if estimator not in ESTIMATORS:
         raise ValueError(f"algo.advantage={estimator!r}; known estimators: {sorted(ESTIMATORS)}")
     if rewards.ndim != 2:
         raise ValueError(f"rewards must be [groups, group_size], got shape {tuple(rewards.shape)}")
     xp = np if isinstance(rewards, np.ndarray) else jnp
     rewards = rewards.astype(xp.float32)
-    return ESTIMATORS[estimator](rewards, eps=eps, std_ddof=std_ddof)
+    adv = ESTIMATORS[estimator](rewards, eps=eps, std_ddof=std_ddof)
+    if negative_weight != 1.0:
+        adv = xp.where(adv < 0, adv * xp.float32(negative_weight), adv).astype(xp.float32)
+    return adv
 
 
 def zero_variance_groups(rewards, atol: float = 0.0):

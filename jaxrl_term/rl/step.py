@@ -19,6 +19,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_term.agent.trajectory import MASK_TURNS
 from jaxrl_term.model.qwen3 import ModelOptions, Qwen3, Qwen3Config
 from jaxrl_term.parallel.mesh import LogicalRules, ShardingCtx, make_mesh, state_shardings
 from jaxrl_term.rl.batch import Batch, from_microbatches, microbatch_layout, to_microbatches
@@ -55,6 +56,11 @@ class AlgoConfig:
     norm_len: Optional[int] = None
     temperature: float = 1.0  # the sampling temperature (the trainer sets it from rollout.temperature)
     microbatches: int = 1  # at least this many microbatches (memory); rows are padded only to the shard count
+    # turns whose tokens leave the loss (the episode still counts in its group's advantages): none | malformed
+    # (the reply had a parse error or was cut at the token limit: DAPO's overlong filtering, widened to broken
+    # replies; their sampled tokens are mostly noise, pushing them up or down teaches the format nothing)
+    mask_turns: str = "none"
+    negative_weight: float = 1.0  # scale of negative advantages (0: positive only; 0.1: W-REINFORCE)
 
     def __post_init__(self):
         errors = self.problems()
@@ -76,6 +82,10 @@ class AlgoConfig:
             out.append(("aggregation", f"{self.aggregation!r}; use one of {AGG_MODES}"))
         if self.aggregation == "seq-mean-token-sum-norm" and not self.norm_len:
             out.append(("norm_len", "aggregation seq-mean-token-sum-norm needs a constant length; set algo.norm_len"))
+        if not 0.0 <= self.negative_weight <= 1.0:
+            out.append(("negative_weight", f"{self.negative_weight} must be in [0, 1] (1: advantages as estimated)"))
+        if self.mask_turns not in MASK_TURNS:
+            out.append(("mask_turns", f"{self.mask_turns!r}; use one of {MASK_TURNS}"))
         if self.divergence not in ("binary_tv", "binary_kl"):
             out.append(("divergence", f"{self.divergence!r}; use binary_tv or binary_kl"))
         if self.kl_estimator not in ("k1", "k2", "k3"):
