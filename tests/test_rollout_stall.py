@@ -21,7 +21,7 @@ class WedgingProxy:
     connections are accepted and read from but never forwarded, and open ones stop forwarding."""
 
     def __init__(self, path: str):
-        self.path, self.wedged = path, threading.Event()
+        self.path, self.wedged, self.closed = path, threading.Event(), threading.Event()
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(path)
         self.server.listen(64)
@@ -35,6 +35,9 @@ class WedgingProxy:
             except OSError:
                 return
             self.conns.append(client)
+            if self.closed.is_set():  # accepted while close() ran: end it too
+                self._end(client)
+                return
             if self.wedged.is_set():
                 threading.Thread(target=self._swallow, args=(client,), daemon=True).start()
                 continue
@@ -71,14 +74,23 @@ class WedgingProxy:
     def wedge(self):
         self.wedged.set()
 
+    @staticmethod
+    def _end(c):
+        for end in (lambda: c.shutdown(socket.SHUT_RDWR), c.close):
+            try:
+                end()
+            except OSError:
+                pass
+
     def close(self):
+        self.closed.set()
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
+        except OSError:
+            pass
         self.server.close()
-        for c in self.conns:  # threads blocked on the hung daemon see the connection end and return
-            for end in (lambda: c.shutdown(socket.SHUT_RDWR), c.close):
-                try:
-                    end()
-                except OSError:
-                    pass
+        for c in list(self.conns):  # threads blocked on the hung daemon see the connection end and return
+            self._end(c)
 
 
 @pytest.fixture
@@ -183,3 +195,20 @@ def test_failures_that_are_not_in_a_row_do_not_stop_the_run():
     assert counters["pipeline/groups_dropped_errors"] == 3
     assert counters["pipeline/groups_filtered_zero_variance"] == 1
     assert "failure 6" not in message  # the group that ran between reset the count
+
+
+def test_the_exit_reap_does_not_hang_on_a_wedged_engine(proxy, monkeypatch):
+    """At interpreter exit every engine this process used is reaped; one that stopped answering must not hold
+    the exit for the client's 300 s per call (it did: the suite's process lingered 5 minutes after its last
+    test). The next start-up's reap catches what is left there."""
+    import docker
+
+    from jaxrl_term.sandbox import docker as sd
+
+    proxy.wedge()
+    wedged = docker.DockerClient(base_url=f"unix://{proxy.path}", timeout=300, version="1.24")
+    monkeypatch.setattr(sd, "_own_engines", {f"unix://{proxy.path}": wedged})
+    t0 = time.monotonic()
+    sd._reap_own_all()  # never raises: best effort
+    assert time.monotonic() - t0 < sd.EXIT_REAP_TIMEOUT_S + 10
+    assert wedged.api.timeout == sd.EXIT_REAP_TIMEOUT_S

@@ -206,9 +206,19 @@ def _reap_own(cl=None) -> None:
 
 
 def _reap_own_all() -> None:
-    """At interpreter exit: ``_reap_own`` on every engine this process created sandboxes on."""
+    """At interpreter exit: ``_reap_own`` on every engine this process created sandboxes on. Each call waits at
+    most ``EXIT_REAP_TIMEOUT_S``: an engine that stopped answering (a wedged daemon keeps pooled connections open
+    and never replies) must not hold the exit for the client's 300 s per call; the next start-up's reap catches
+    what is left there."""
     for cl in list(_own_engines.values()):
+        try:
+            cl.api.timeout = min(cl.api.timeout or EXIT_REAP_TIMEOUT_S, EXIT_REAP_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a client without an API object: reaped with its own timeout
+            pass
         _reap_own(cl)
+
+
+EXIT_REAP_TIMEOUT_S = 10.0
 
 
 def _storage_quota_supported(cl, key: str = "") -> bool:
