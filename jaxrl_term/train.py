@@ -410,7 +410,8 @@ class Trainer:
         adv = group_advantages(rewards, self.algo.advantage, std_ddof=self.algo.std_ddof,
                                negative_weight=self.algo.negative_weight)
         # fresh: sampled by the weights this step trains (lag 0); the engine/trainer gap is measured on those only
-        samples = [Sample(t.token_ids, t.train_mask(self.algo.mask_turns), t.logprobs, float(a), fresh=g.version >= step)
+        samples = [Sample(t.token_ids, t.train_mask(self.algo.mask_turns), t.logprobs, float(a),
+                          fresh=g.version >= step)
                    for g, row in zip(groups, adv) for t, a in zip(g.trajectories, row)]
         batch = make_batch(samples, buckets=self.cfg.trainer.buckets, row_multiple=self.ts.shards,
                            pack=self.cfg.trainer.pack, vocab_size=self.arch.vocab_size)
