@@ -182,6 +182,7 @@ class JaxEngineCfg:
     param_dtype: Optional[str] = None
     prefix_reuse: bool = True
     decode_steps: int = 16
+    matmul_dtype: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -552,6 +553,9 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
     # -- rollout and colocation -----------------------------------------------------------------------
     if cfg.rollout.engine not in ("jax", "sglang"):
         bad("rollout.engine", f"{cfg.rollout.engine!r}", "use jax or sglang")
+    if cfg.rollout.jax.matmul_dtype not in (None, "bfloat16", "float16"):
+        bad("rollout.jax.matmul_dtype", f"{cfg.rollout.jax.matmul_dtype!r}",
+            "use null (the model's compute dtype) or bfloat16 (bf16 products, fp32 sums)")
     la = cfg.rollout.sglang.launch
     if cfg.rollout.engine == "sglang" and la.enabled and la.context_length and \
             cfg.agent.max_context_tokens > la.context_length:

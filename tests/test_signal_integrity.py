@@ -165,6 +165,7 @@ def test_bad_settings_fail_in_one_pass_before_any_work_and_leave_no_run_dir(tmp_
     (["trainer.max_consecutive_failed_groups=0"], "trainer.max_consecutive_failed_groups"),
     (["algo.mask_turns=broken"], "algo.mask_turns"),
     (["algo.negative_weight=2"], "algo.negative_weight"),
+    (["rollout.jax.matmul_dtype=fp8"], "rollout.jax.matmul_dtype"),
 ], ids=lambda x: str(x))
 def test_each_trap_is_refused_naming_its_key(overrides, key, tmp_path):
     proc = _train(["+experiment=tiny_cpu", *overrides, f"run_dir={tmp_path / 'never'}"])

@@ -505,6 +505,11 @@ def sequence_chunked(fn: Callable, x: jax.Array, chunk: int, unroll: bool = Fals
     return jnp.moveaxis(ys, 0, 1).reshape(b, n * chunk, *ys.shape[3:])[:, :t]
 
 
+# the weights of the cached path's products (separate or fused): what ``matmul_dtype`` applies to
+WEIGHT_PRODUCTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                             "qkv_proj", "gate_up_proj"})
+
+
 def decoder_layer_cached(
     x: jax.Array,
     p: Mapping[str, jax.Array],
@@ -519,6 +524,7 @@ def decoder_layer_cached(
     attn_len: int,
     cfg: Qwen3Config,
     opts: ModelOptions,
+    matmul_dtype: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``decoder_layer`` for generation. x [B, T, H]: new tokens of cache rows ``rows`` [B] at positions
     write_pos + t. Their K/V are scattered into the full caches (``kv_cache_shapes``: kc [L, R, Nkv, D, S],
@@ -528,21 +534,27 @@ def decoder_layer_cached(
     position-major layout [R, S, Nkv, D], XLA on a CPU transposed a copy of every layer's attended K and V on each
     decode step, 15% of a 100M model's step at batch 32. ``p`` may hold fused ``qkv_proj`` [H, (Nq + 2 Nkv) D],
     ``gate_up_proj`` [H, 2 I] and a flat ``o_proj`` [Nq D, H] (``fuse_projections``) instead of the separate
-    weights."""
+    weights. ``matmul_dtype`` (e.g. bfloat16): the weight products take their inputs in that dtype and accumulate
+    in fp32 (``weight_product``); norms, rope, attention (and its cache) and the residual stay in the compute
+    dtype (measured on a CPU: a bf16 cache, or bf16 attention products, made the 100M decode step 4x slower)."""
     cd, eps = opts.cdtype, cfg.rms_norm_eps
-    pc = {k: v.astype(cd) for k, v in p.items()}
+    pc = {k: v if matmul_dtype is not None and k in WEIGHT_PRODUCTS else v.astype(cd) for k, v in p.items()}
+
+    def mm(spec, a, w):
+        return weight_product(spec, a, w, matmul_dtype)
+
     b, t, _ = x.shape
     nq, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     h = rms_norm(x, pc["input_layernorm"], eps)
     if "qkv_proj" in pc:  # fused (fuse_projections): one matmul for q, k and v
-        qkv = jnp.einsum("bth,hf->btf", h, pc["qkv_proj"])
+        qkv = mm("bth,hf->btf", h, pc["qkv_proj"])
         q = qkv[..., : nq * d].reshape(b, t, nq, d)
         k = qkv[..., nq * d: (nq + nkv) * d].reshape(b, t, nkv, d)
         v = qkv[..., (nq + nkv) * d:].reshape(b, t, nkv, d)
     else:
-        q = jnp.einsum("bth,hnd->btnd", h, pc["q_proj"])
-        k = jnp.einsum("bth,hnd->btnd", h, pc["k_proj"])
-        v = jnp.einsum("bth,hnd->btnd", h, pc["v_proj"])
+        q = mm("bth,hnd->btnd", h, pc["q_proj"])
+        k = mm("bth,hnd->btnd", h, pc["k_proj"])
+        v = mm("bth,hnd->btnd", h, pc["v_proj"])
     q = apply_rope(rms_norm(q, pc["q_norm"], eps), cos, sin)
     k = apply_rope(rms_norm(k, pc["k_norm"], eps), cos, sin)
     qpos = write_pos[:, None] + jnp.arange(t)[None, :]  # [B, T]
@@ -566,16 +578,16 @@ def decoder_layer_cached(
     o = jnp.einsum("bkms,bksd->bkmd", pr, vals).reshape(b, nkv, g, t, d)
     o = jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, nq * d)
     if pc["o_proj"].ndim == 2:  # flat (fuse_projections)
-        x = x + jnp.einsum("btf,fh->bth", o, pc["o_proj"])
+        x = x + mm("btf,fh->bth", o, pc["o_proj"])
     else:
-        x = x + jnp.einsum("btf,fh->bth", o, pc["o_proj"].reshape(nq * d, -1))
+        x = x + mm("btf,fh->bth", o, pc["o_proj"].reshape(nq * d, -1))
     h = rms_norm(x, pc["post_attention_layernorm"], eps)
     if "gate_up_proj" in pc:
-        gu = jnp.einsum("bth,hi->bti", h, pc["gate_up_proj"])
+        gu = mm("bth,hi->bti", h, pc["gate_up_proj"])
         act = jax.nn.silu(gu[..., : cfg.intermediate_size]) * gu[..., cfg.intermediate_size:]
     else:
-        act = jax.nn.silu(jnp.einsum("bth,hi->bti", h, pc["gate_proj"])) * jnp.einsum("bth,hi->bti", h, pc["up_proj"])
-    return x + jnp.einsum("bti,ih->bth", act, pc["down_proj"]), kc, vc
+        act = jax.nn.silu(mm("bth,hi->bti", h, pc["gate_proj"])) * mm("bth,hi->bti", h, pc["up_proj"])
+    return x + mm("bti,ih->bth", act, pc["down_proj"]), kc, vc
 
 
 def forward_cached_layers(
@@ -591,6 +603,7 @@ def forward_cached_layers(
     write_ok: jax.Array | None = None,
     attn_len: int | None = None,
     rows: jax.Array | None = None,
+    matmul_dtype: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``Qwen3.forward_cached`` on explicit weights. ``layers``: the stacked dict (a scan over layers), or one
     dict per layer (the loop unrolled: no per-layer slice of stacked weights, which XLA on a CPU copies out of
@@ -606,7 +619,8 @@ def forward_cached_layers(
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
 
     def layer(x, kc, vc, p, i):
-        return decoder_layer_cached(x, p, cos, sin, kc, vc, i, rows, write_pos, write_ok, attn_len, cfg, opts)
+        return decoder_layer_cached(x, p, cos, sin, kc, vc, i, rows, write_pos, write_ok, attn_len, cfg, opts,
+                                    matmul_dtype)
 
     if isinstance(layers, Mapping):
         def body(carry, xs):
@@ -632,8 +646,22 @@ def fuse_projections(p: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
     return out
 
 
-def lm_logits(hidden: jax.Array, w: jax.Array, fp32: bool) -> jax.Array:
-    """[B, T, H] @ [H, V]: fp32 (HIGHEST precision matmul on fp32-cast inputs) when ``fp32``."""
+def weight_product(spec: str, a: jax.Array, w: jax.Array, matmul_dtype: str | None) -> jax.Array:
+    """``einsum(spec, a, w)``; with ``matmul_dtype`` both inputs in that dtype and the sum in fp32, returned in
+    ``a``'s dtype. On a CPU with AMX (Sapphire Rapids) XLA runs bf16 x bf16 -> fp32 products through oneDNN at
+    about 4x its fp32 GEMM (bf16 -> bf16 products are slower than fp32 there); on a GPU it is the usual bf16
+    tensor-core product."""
+    if matmul_dtype is None:
+        return jnp.einsum(spec, a, w)
+    return jnp.einsum(spec, a.astype(matmul_dtype), w.astype(matmul_dtype),
+                      preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def lm_logits(hidden: jax.Array, w: jax.Array, fp32: bool, matmul_dtype: str | None = None) -> jax.Array:
+    """[B, T, H] @ [H, V]: fp32 (HIGHEST precision matmul on fp32-cast inputs) when ``fp32``; with
+    ``matmul_dtype``, inputs in that dtype and fp32 logits (``weight_product``), whatever ``fp32``."""
+    if matmul_dtype is not None:
+        return weight_product("bth,hv->btv", hidden, w, matmul_dtype).astype(jnp.float32)
     if fp32:
         return jnp.einsum("bth,hv->btv", hidden.astype(jnp.float32), w.astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)

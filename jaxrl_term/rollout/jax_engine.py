@@ -32,11 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_term.model.qwen3 import forward_cached_layers, fuse_projections, lm_logits
+from jaxrl_term.model.qwen3 import WEIGHT_PRODUCTS, forward_cached_layers, fuse_projections, lm_logits
 from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "in_place", "retract")
+MATMUL_DTYPES = (None, "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,16 @@ class JaxEngineConfig:
     decode_steps: int = 16  # decode steps per program call (>= 1): fewer dispatches; a request that stops early
     # waits for the call to end (up to n - 1 steps computed for nothing in its row)
     deterministic: bool = False  # fixed shapes, no prefix reuse: samples independent of batching (slower)
+    # bfloat16: the weight products (layers and LM head) take bf16 inputs and accumulate in fp32, the weights kept
+    # in bf16; norms, attention, sampling and log-probs stay fp32. What an SGLang server does on a GPU (bf16
+    # weights), and about 4x XLA's fp32 GEMM on a CPU with AMX. The log-probs then differ from the trainer's fp32
+    # recomputation (train/logp_gap_*; DPPO's ratio and TIS are built for that mismatch). None: as the model computes.
+    matmul_dtype: str | None = None
+
+    def __post_init__(self):
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"rollout.jax.matmul_dtype={self.matmul_dtype!r}; use null (the model's compute dtype) or "
+                             f"one of {[d for d in MATMUL_DTYPES if d]}")
 
 
 def _bucket(n: int, lo: int, hi: int) -> int:
@@ -64,29 +75,34 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     return min(b, hi)
 
 
-def _hidden(w, kc, vc, ids, pos, write_ok, rows, attn_len, cfg, opts):
+def _cast_products(p: dict[str, Any], dtype: str) -> dict[str, Any]:
+    return {k: v.astype(dtype) if k in WEIGHT_PRODUCTS else v for k, v in p.items()}
+
+
+def _hidden(w, kc, vc, ids, pos, write_ok, rows, attn_len, cfg, opts, mm):
     return forward_cached_layers(cfg, opts, w["embed"], w["norm"], w["layers"], ids, pos, kc, vc, write_ok,
-                                 attn_len, rows)
+                                 attn_len, rows, matmul_dtype=mm)
 
 
-def _logits(w, h, opts):
+def _logits(w, h, opts, mm):
     head = w["embed"].T if w["head"] is None else w["head"]
-    return lm_logits(h, head, opts.lm_head_fp32)
+    return lm_logits(h, head, opts.lm_head_fp32, matmul_dtype=mm)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len"), donate_argnames=("kc", "vc"))
-def _prefill(w, kc, vc, ids, rows, start, n_valid, write_ok, *, cfg, opts, attn_len: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len", "mm"), donate_argnames=("kc", "vc"))
+def _prefill(w, kc, vc, ids, rows, start, n_valid, write_ok, *, cfg, opts, attn_len: int, mm: str | None = None):
     """Prefill chunks of several requests at once: ids [N, T] for cache rows ``rows`` [N] from positions
     ``start`` [N], ``n_valid`` [N] real tokens each (the rest is padding, written past the row's end and never
     attended before decode overwrites it); the logits after each row's last real token."""
-    h, kc, vc = _hidden(w, kc, vc, ids, start, write_ok, rows, attn_len, cfg, opts)
+    h, kc, vc = _hidden(w, kc, vc, ids, start, write_ok, rows, attn_len, cfg, opts, mm)
     last = jnp.take_along_axis(h, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
-    return _logits(w, last, opts)[:, 0], kc, vc
+    return _logits(w, last, opts, mm)[:, 0], kc, vc
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len", "n_steps"), donate_argnames=("kc", "vc"))
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len", "n_steps", "mm"),
+                   donate_argnames=("kc", "vc"))
 def _decode(w, kc, vc, tokens, pos, active, rows, temps, top_ps, top_ks, seeds, counters, *, cfg, opts,
-            attn_len: int, n_steps: int):
+            attn_len: int, n_steps: int, mm: str | None = None):
     """``n_steps`` decode steps in one program: each feeds the token it sampled to the next, so Python (and
     the dispatch of a few hundred small kernels) is paid once per ``n_steps`` tokens. Rows keep going after
     their own stop; the caller discards those tokens, and their K/V lie past the row's end (positions past the
@@ -96,8 +112,8 @@ def _decode(w, kc, vc, tokens, pos, active, rows, temps, top_ps, top_ks, seeds, 
     def step(carry, i):
         tok, kc, vc = carry
         p = pos + i
-        h, kc, vc = _hidden(w, kc, vc, tok[:, None], p, active & (p < s), rows, attn_len, cfg, opts)
-        nxt, lp = sample_tokens(_logits(w, h, opts)[:, 0], temps, top_ps, top_ks, seeds, counters + i)
+        h, kc, vc = _hidden(w, kc, vc, tok[:, None], p, active & (p < s), rows, attn_len, cfg, opts, mm)
+        nxt, lp = sample_tokens(_logits(w, h, opts, mm)[:, 0], temps, top_ps, top_ks, seeds, counters + i)
         return (nxt, kc, vc), (nxt, lp)
 
     (_, kc, vc), (toks, lps) = jax.lax.scan(step, (tokens, kc, vc), jnp.arange(n_steps, dtype=counters.dtype))
@@ -243,6 +259,11 @@ class JaxEngine:
             head = jnp.transpose(params["embed_tokens"]).copy()
         else:
             head = None
+        mm = self.cfg.matmul_dtype
+        if mm is not None:  # the product weights stored in the product dtype (half the bytes each step reads)
+            cast = functools.partial(_cast_products, dtype=mm)
+            layers = [cast(p) for p in layers] if isinstance(layers, list) else cast(layers)
+            head = None if head is None else head.astype(mm)
         return jax.block_until_ready({"embed": params["embed_tokens"], "norm": params["norm"], "head": head,
                                       "layers": layers})
 
@@ -464,7 +485,8 @@ class JaxEngine:
                 rows[j], start[j], n_valid[j], ok[j] = slot, pos[slot], len(piece), True
             logits, self.kc, self.vc = _prefill(self.w, self.kc, self.vc, jnp.asarray(ids), jnp.asarray(rows),
                                                 jnp.asarray(start), jnp.asarray(n_valid), jnp.asarray(ok),
-                                                cfg=self.model_cfg, opts=self.options, attn_len=attn)
+                                                cfg=self.model_cfg, opts=self.options, attn_len=attn,
+                                                mm=self.cfg.matmul_dtype)
             done, left = [], []
             for j, (slot, seq) in enumerate(todo):
                 pos[slot] += int(n_valid[j])
@@ -554,7 +576,8 @@ class JaxEngine:
         toks, lps, self.kc, self.vc = _decode(self.w, self.kc, self.vc, jnp.asarray(tokens), jnp.asarray(pos),
                                               jnp.asarray(active), jnp.asarray(rows),
                                               *(jnp.asarray(a) for a in samp), cfg=self.model_cfg,
-                                              opts=self.options, attn_len=attn, n_steps=n)
+                                              opts=self.options, attn_len=attn, n_steps=n,
+                                              mm=self.cfg.matmul_dtype)
         self.stats["decode_steps"] += n
         self._take(live, width_rows, np.asarray(toks), np.asarray(lps))
 

@@ -55,6 +55,6 @@ def make_jax_engine(cfg, model, tokenizer, weight_version: int):
     return JaxEngine(model, tokenizer,
                      JaxEngineConfig(max_batch=j.max_batch, max_seq_len=j.max_seq_len, prefill_chunk=j.prefill_chunk,
                                      param_dtype=j.param_dtype, prefix_reuse=j.prefix_reuse,
-                                     decode_steps=j.decode_steps,
+                                     decode_steps=j.decode_steps, matmul_dtype=j.matmul_dtype,
                                      deterministic=cfg.trainer.deterministic_engine),
                      weight_version=weight_version)
