@@ -21,6 +21,7 @@ from flax import nnx
 
 from helpers import hf_checkpoint
 from jaxrl_term.model.hf import load_pretrained, save_pretrained
+from jaxrl_term.model.qwen3 import ModelOptions, lm_logits
 from jaxrl_term.rl.logprobs import sequence_logprobs
 from jaxrl_term.rollout.engine import EngineError, SamplingParams
 from jaxrl_term.rollout.jax_engine import JaxEngine, JaxEngineConfig
@@ -90,13 +91,14 @@ def test_sampled_log_probs_equal_the_trainers_recomputation(model_dir, engine):
 
 
 def test_bf16_products_keep_fp32_log_probs_within_bf16_rounding_of_the_trainer(model_dir, engine):
-    """``matmul_dtype=bfloat16``: the product weights are stored in bf16 (norms and embeddings stay fp32), the
-    engine's log-probs stay within bf16 rounding of the trainer's fp32 recomputation (and are not the fp32 engine's
-    numbers: the bf16 path is in effect), sampling is still per-request seeded, and a weight update keeps the
-    products in bf16."""
+    """``matmul_dtype=bfloat16`` (with ``lm_head_fp32=false``, so the LM head too): the product weights are stored
+    in bf16 (norms and embeddings stay fp32), the engine's log-probs stay within bf16 rounding of the trainer's
+    fp32 recomputation (and are not the fp32 engine's numbers: the bf16 path is in effect), sampling is still
+    per-request seeded, and a weight update keeps the products in bf16. ``lm_head_fp32`` wins over it for the
+    head, as SGLang's --enable-fp32-lm-head does over bf16 weights."""
     model = load_pretrained(model_dir[0])
-    eng = JaxEngine(load_pretrained(model_dir[0]), config=JaxEngineConfig(max_batch=8, max_seq_len=512,
-                                                                           matmul_dtype="bfloat16"))
+    eng = JaxEngine(load_pretrained(model_dir[0], options=ModelOptions(lm_head_fp32=False)),
+                    config=JaxEngineConfig(max_batch=8, max_seq_len=512, matmul_dtype="bfloat16"))
     ps = prompts(6, seed=2)
 
     async def go(e):
@@ -131,6 +133,9 @@ def test_bf16_products_keep_fp32_log_probs_within_bf16_rounding_of_the_trainer(m
         eng.close()
     with pytest.raises(ValueError, match="matmul_dtype"):
         JaxEngineConfig(matmul_dtype="fp8")
+    h, w = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 64)), jax.random.normal(jax.random.PRNGKey(1), (64, 99))
+    np.testing.assert_array_equal(lm_logits(h, w, True, "bfloat16"), lm_logits(h, w, True))
+    assert np.abs(np.asarray(lm_logits(h, w, False, "bfloat16") - lm_logits(h, w, True))).max() > 1e-4
 
 
 def test_continuous_batching_of_32_requests_is_correct_and_faster(engine):

@@ -9,9 +9,9 @@ reuse (which a GRPO group's G episodes do benefit from) never skips a prefill he
 
 Two precisions on each side, the same weights:
 - fp32: ours with the model's fp32 products; transformers in fp32.
-- bf16: ours with ``matmul_dtype=bfloat16`` (bf16 weights and product inputs, fp32 sums; norms, attention and
-  log-probs fp32: the SGLang way); transformers with the whole model in bf16 (``model.to(torch.bfloat16)``:
-  activations and norms in bf16 too, so it does less fp32 work than ours).
+- bf16: ours with ``matmul_dtype=bfloat16`` and ``lm_head_fp32=False`` (bf16 weights and product inputs, LM head
+  included, fp32 sums; norms, attention and log-probs fp32: the SGLang way); transformers with the whole model
+  in bf16 (``model.to(torch.bfloat16)``: activations and norms in bf16 too, so it does less fp32 work than ours).
 The headline ratio is ours bf16 over transformers fp32 (the issue's peer), next to the same-precision ratios.
 
 The GEMM bound: the same generation as nothing but its matrix products (every layer's projections and the LM
@@ -113,6 +113,7 @@ def main() -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from jaxrl_term.model.hf import load_pretrained
+    from jaxrl_term.model.qwen3 import ModelOptions
     from jaxrl_term.rollout.engine import SamplingParams
     from jaxrl_term.rollout.jax_engine import JaxEngine, JaxEngineConfig
 
@@ -130,8 +131,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             hf.save_pretrained(d)
             mm_engine = {"float32": None, "bfloat16": "bfloat16"}  # None: the model's own fp32 products
-            engines = {mm: JaxEngine(load_pretrained(d), config=JaxEngineConfig(max_batch=32, max_seq_len=256,
-                                                                                 matmul_dtype=mm_engine[mm]))
+            # bf16: the LM head too (model.options.lm_head_fp32=false), as transformers in bf16
+            engines = {mm: JaxEngine(load_pretrained(d, options=ModelOptions(lm_head_fp32=mm == "float32")),
+                                     config=JaxEngineConfig(max_batch=32, max_seq_len=256, matmul_dtype=mm_engine[mm]))
                        for mm in ("float32", "bfloat16")}
         hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
         peers = {"float32": hf, "bfloat16": hf_bf16}
@@ -195,8 +197,9 @@ def main() -> None:
            f"contiguous_head={JaxEngineConfig.contiguous_head}); fresh prompts every call; {SETTLE} s idle before "
            "each timed call.")
     text = ("# Sampling: embedded JAX engine (continuous batching, KV cache) vs transformers `generate`\n\n"
-            f"{env} ours bf16 = `rollout.jax.matmul_dtype=bfloat16` (bf16 weights and product inputs, fp32 sums; "
-            "norms, attention and log-probs fp32); HF bf16 = the whole transformers model in bf16. The bold column "
+            f"{env} ours bf16 = `rollout.jax.matmul_dtype=bfloat16 model.options.lm_head_fp32=false` (bf16 "
+            "weights and product inputs, the LM head's included, fp32 sums; norms, attention and log-probs fp32); "
+            "HF bf16 = the whole transformers model in bf16. The bold column "
             "is the headline (ours bf16 against the fp32 peer). TTFT = a 1-token generation for the whole batch. "
             "GEMM-bound: the same generation as nothing but its matrix products (every layer's projections and "
             "the LM head, XLA's GEMM, fp32 and bf16 x bf16 -> fp32, timed in this run): no engine built on that "

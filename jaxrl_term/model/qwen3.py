@@ -658,13 +658,14 @@ def weight_product(spec: str, a: jax.Array, w: jax.Array, matmul_dtype: str | No
 
 
 def lm_logits(hidden: jax.Array, w: jax.Array, fp32: bool, matmul_dtype: str | None = None) -> jax.Array:
-    """[B, T, H] @ [H, V]: fp32 (HIGHEST precision matmul on fp32-cast inputs) when ``fp32``; with
-    ``matmul_dtype``, inputs in that dtype and fp32 logits (``weight_product``), whatever ``fp32``."""
-    if matmul_dtype is not None:
-        return weight_product("bth,hv->btv", hidden, w, matmul_dtype).astype(jnp.float32)
+    """[B, T, H] @ [H, V]: fp32 (HIGHEST precision matmul on fp32-cast inputs) when ``fp32`` (it wins over
+    ``matmul_dtype``, as SGLang's --enable-fp32-lm-head over bf16 weights); else with ``matmul_dtype``, inputs in
+    that dtype and fp32 logits (``weight_product``)."""
     if fp32:
         return jnp.einsum("bth,hv->btv", hidden.astype(jnp.float32), w.astype(jnp.float32),
                           precision=jax.lax.Precision.HIGHEST)
+    if matmul_dtype is not None:
+        return weight_product("bth,hv->btv", hidden, w, matmul_dtype).astype(jnp.float32)
     return jnp.einsum("bth,hv->btv", hidden, w.astype(hidden.dtype))
 
 

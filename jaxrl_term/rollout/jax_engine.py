@@ -56,10 +56,11 @@ class JaxEngineConfig:
     decode_steps: int = 16  # decode steps per program call (>= 1): fewer dispatches; a request that stops early
     # waits for the call to end (up to n - 1 steps computed for nothing in its row)
     deterministic: bool = False  # fixed shapes, no prefix reuse: samples independent of batching (slower)
-    # bfloat16: the weight products (layers and LM head) take bf16 inputs and accumulate in fp32, the weights kept
-    # in bf16; norms, attention, sampling and log-probs stay fp32. What an SGLang server does on a GPU (bf16
-    # weights), and about 4x XLA's fp32 GEMM on a CPU with AMX. The log-probs then differ from the trainer's fp32
-    # recomputation (train/logp_gap_*; DPPO's ratio and TIS are built for that mismatch). None: as the model computes.
+    # bfloat16: the weight products (layers, and the LM head unless model.options.lm_head_fp32) take bf16 inputs and
+    # accumulate in fp32, the weights kept in bf16; norms, attention, sampling and log-probs stay fp32. What an
+    # SGLang server does on a GPU (bf16 weights), and about 4x XLA's fp32 GEMM on a CPU with AMX. The log-probs then
+    # differ from the trainer's fp32 recomputation (train/logp_gap_*; DPPO's ratio and TIS are built for that
+    # mismatch). None: as the model computes.
     matmul_dtype: str | None = None
 
     def __post_init__(self):
@@ -263,7 +264,8 @@ class JaxEngine:
         if mm is not None:  # the product weights stored in the product dtype (half the bytes each step reads)
             cast = functools.partial(_cast_products, dtype=mm)
             layers = [cast(p) for p in layers] if isinstance(layers, list) else cast(layers)
-            head = None if head is None else head.astype(mm)
+            if head is not None and not self.options.lm_head_fp32:  # an fp32 LM head keeps fp32 weights
+                head = head.astype(mm)
         return jax.block_until_ready({"embed": params["embed_tokens"], "norm": params["norm"], "head": head,
                                       "layers": layers})
 
