@@ -553,7 +553,9 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
     # -- rollout and colocation -----------------------------------------------------------------------
     if cfg.rollout.engine not in ("jax", "sglang"):
         bad("rollout.engine", f"{cfg.rollout.engine!r}", "use jax or sglang")
-    if cfg.rollout.jax.matmul_dtype not in (None, "bfloat16", "float16"):
+    from jaxrl_term.rollout.jax_engine import MATMUL_DTYPES
+
+    if cfg.rollout.jax.matmul_dtype not in MATMUL_DTYPES:  # the engine's own list (its config refuses the rest)
         bad("rollout.jax.matmul_dtype", f"{cfg.rollout.jax.matmul_dtype!r}",
             "use null (the model's compute dtype) or bfloat16 (bf16 products, fp32 sums)")
     la = cfg.rollout.sglang.launch

@@ -90,7 +90,7 @@ def test_sampled_log_probs_equal_the_trainers_recomputation(model_dir, engine):
         assert all(np.isfinite(g.output_logprobs)) and g.output_logprobs != [0.0] * len(g.output_logprobs)
 
 
-def test_bf16_products_keep_fp32_log_probs_within_bf16_rounding_of_the_trainer(model_dir, engine):
+def test_bf16_products_keep_fp32_log_probs_within_bf16_rounding_of_the_trainer(model_dir):
     """``matmul_dtype=bfloat16`` (with ``lm_head_fp32=false``, so the LM head too): the product weights are stored
     in bf16 (norms and embeddings stay fp32), the engine's log-probs stay within bf16 rounding of the trainer's
     fp32 recomputation (and are not the fp32 engine's numbers: the bf16 path is in effect), sampling is still
