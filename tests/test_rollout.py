@@ -176,6 +176,43 @@ def test_prefix_reuse_gives_the_same_tokens(model_dir, engine):
     assert again.output_ids == ref.output_ids and ref.cached_tokens == 0
 
 
+def test_kv_cache_follows_the_attended_window_and_keeps_reusable_prefixes(model_dir):
+    """The per-layer caches are as long as the attended window (so a full-width decode attends the cache buffers
+    themselves), grow for a long prompt, never shrink under a prefix a free slot keeps for reuse, and shrink once
+    it is gone. Every output equals a reference engine's (batch 1 of 8 slots: the row-gather path)."""
+    cfg = dict(max_seq_len=1024, min_bucket=64)
+    eng = JaxEngine(load_pretrained(model_dir[0]), config=JaxEngineConfig(max_batch=4, **cfg))
+    ref = JaxEngine(load_pretrained(model_dir[0]), config=JaxEngineConfig(max_batch=8, prefix_reuse=False, **cfg))
+    sp = SamplingParams(temperature=0, max_new_tokens=24)
+
+    def length():
+        return eng.kc[0].shape[-1]
+
+    async def together(e, ps):
+        return await asyncio.gather(*(e.generate(p, sp) for p in ps))
+
+    try:
+        assert isinstance(eng.kc, list) and length() == 64
+        long_p = prompts(1, seed=30, lo=300, hi=301)[0]
+        first = run(eng.generate(long_p, sp))
+        assert length() == 512 and first.output_ids == run(ref.generate(long_p, sp)).output_ids
+        shorts = prompts(3, seed=31, lo=5, hi=20)  # 3 rows + the long prefix's free slot: a full-width batch
+        out = run(together(eng, shorts))
+        assert length() == 512  # the free slot's 323 cached tokens are kept
+        assert [g.output_ids for g in out] == [run(ref.generate(p, sp)).output_ids for p in shorts]
+        follow = long_p + first.output_ids + [5, 6, 7]
+        again = run(eng.generate(follow, sp))
+        assert again.cached_tokens >= len(long_p) and again.output_ids == run(ref.generate(follow, sp)).output_ids
+        resizes = eng.stats["cache_resizes"]
+        fresh = prompts(4, seed=32, lo=5, hi=20)  # every slot taken: the long prefix is evicted
+        out = run(together(eng, fresh))
+        assert length() == 64 and eng.stats["cache_resizes"] > resizes
+        assert [g.output_ids for g in out] == [run(ref.generate(p, sp)).output_ids for p in fresh]
+    finally:
+        eng.close()
+        ref.close()
+
+
 def test_seeded_sampling_does_not_depend_on_batching_and_params_behave(engine):
     p = prompts(1, seed=6)[0]
     sp = SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=12, seed=1234)

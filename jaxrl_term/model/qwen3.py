@@ -517,8 +517,8 @@ def decoder_layer_cached(
     sin: jax.Array,
     kc: jax.Array,
     vc: jax.Array,
-    layer: jax.Array,
-    rows: jax.Array,
+    layer: jax.Array | int | None,
+    rows: jax.Array | None,
     write_pos: jax.Array,
     write_ok: jax.Array,
     attn_len: int,
@@ -528,11 +528,17 @@ def decoder_layer_cached(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``decoder_layer`` for generation. x [B, T, H]: new tokens of cache rows ``rows`` [B] at positions
     write_pos + t. Their K/V are scattered into the full caches (``kv_cache_shapes``: kc [L, R, Nkv, D, S],
-    vc [L, R, Nkv, S, D]) at (layer, row, position) in place (inputs with ``write_ok`` False write nothing);
-    queries attend to cached positions < ``attn_len`` up to their own. The layouts are the ones the two attention
-    products read without a transpose (keys as [D, S] and values as [S, D] per row and head): with the
-    position-major layout [R, S, Nkv, D], XLA on a CPU transposed a copy of every layer's attended K and V on each
-    decode step, 15% of a 100M model's step at batch 32. ``p`` may hold fused ``qkv_proj`` [H, (Nq + 2 Nkv) D],
+    vc [L, R, Nkv, S, D]; or one layer's [R, Nkv, D, S] / [R, Nkv, S, D] with ``layer`` None) at (layer, row,
+    position) in place (inputs with ``write_ok`` False write nothing); queries attend to cached positions
+    < ``attn_len`` up to their own. ``rows`` None: x holds cache rows 0..B-1 in order; with B = R, a per-layer
+    cache and ``attn_len`` = S the attention products read the cache buffers themselves. A row gather, layer
+    index or length slice is a copy of the attended K/V on every call (XLA on a CPU materialises it): measured,
+    0.2 of the tiny model's batch-32 decode step, which takes 0.7 ms with the copies and 0.5 ms without; on the
+    100M model the copies took 8.5 of 48 ms, and without them the products, now reading the cache from memory,
+    take as long (48 ms). The layouts are the ones the two attention products read without a transpose (keys
+    as [D, S] and values as [S, D] per row and head): with the position-major layout [R, S, Nkv, D], XLA on a
+    CPU transposed a copy of every layer's attended K and V on each decode step, 15% of a 100M model's step at
+    batch 32. ``p`` may hold fused ``qkv_proj`` [H, (Nq + 2 Nkv) D],
     ``gate_up_proj`` [H, 2 I] and a flat ``o_proj`` [Nq D, H] (``fuse_projections``) instead of the separate
     weights. ``matmul_dtype`` (e.g. bfloat16): the weight products take their inputs in that dtype and accumulate
     in fp32 (``weight_product``); norms, rope, attention (and its cache) and the residual stay in the compute
@@ -561,12 +567,24 @@ def decoder_layer_cached(
     # out-of-range positions are dropped by the scatter: that is how inactive rows write nothing
     s_len = kc.shape[-1]
     wpos = jnp.where(write_ok[:, None], qpos, s_len)[:, None, :]  # [B, 1, T]
-    r3, h3 = rows[:, None, None], jnp.arange(nkv)[None, :, None]
+    r3, h3 = (jnp.arange(b) if rows is None else rows)[:, None, None], jnp.arange(nkv)[None, :, None]
+    lead = () if layer is None else (layer,)
     # index (layer, row, head, :, pos) -> [B, Nkv, T, D]: the updates in the same order for both caches
-    kc = kc.at[layer, r3, h3, :, wpos].set(jnp.swapaxes(k, 1, 2).astype(kc.dtype), mode="drop")
-    vc = vc.at[layer, r3, h3, wpos].set(jnp.swapaxes(v, 1, 2).astype(vc.dtype), mode="drop")
-    keys = jax.lax.dynamic_index_in_dim(kc, layer, 0, keepdims=False)[rows, :, :, :attn_len].astype(cd)
-    vals = jax.lax.dynamic_index_in_dim(vc, layer, 0, keepdims=False)[rows, :, :attn_len].astype(cd)
+    kc = kc.at[(*lead, r3, h3, slice(None), wpos)].set(jnp.swapaxes(k, 1, 2).astype(kc.dtype), mode="drop")
+    vc = vc.at[(*lead, r3, h3, wpos)].set(jnp.swapaxes(v, 1, 2).astype(vc.dtype), mode="drop")
+
+    def attended(c, s_axis):  # this layer's rows, positions < attn_len
+        if layer is not None:
+            c = jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+        if rows is not None:
+            c = c[rows]
+        elif c.shape[0] != b:  # rows 0..B-1 of a larger cache
+            c = c[:b]
+        if attn_len < s_len:
+            c = jax.lax.slice_in_dim(c, 0, attn_len, axis=s_axis)
+        return c.astype(cd)
+
+    keys, vals = attended(kc, 3), attended(vc, 2)
     g = nq // nkv
     # [B, Nkv, G*T, D]: batch dimensions leading, so both products are plain batched matmuls (XLA's CPU backend
     # sends other dimension orders to a generic dot several times slower)
@@ -604,16 +622,17 @@ def forward_cached_layers(
     attn_len: int | None = None,
     rows: jax.Array | None = None,
     matmul_dtype: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array] | tuple[jax.Array, list[jax.Array], list[jax.Array]]:
     """``Qwen3.forward_cached`` on explicit weights. ``layers``: the stacked dict (a scan over layers), or one
     dict per layer (the loop unrolled: no per-layer slice of stacked weights, which XLA on a CPU copies out of
-    the stack on every call, the whole model's weights per decode step)."""
+    the stack on every call, the whole model's weights per decode step). With per-layer weights the caches may
+    be per-layer too (lists of [R, ...] arrays, returned as lists). ``rows`` None: the batch is every cache row
+    in order (see ``decoder_layer_cached``)."""
     b, t = input_ids.shape
     if write_ok is None:
         write_ok = jnp.ones((b,), bool)
-    if rows is None:
-        rows = jnp.arange(b)
-    attn_len = attn_len or k_cache.shape[-1]
+    per_layer = isinstance(k_cache, (list, tuple))
+    attn_len = attn_len or (k_cache[0] if per_layer else k_cache).shape[-1]
     positions = write_pos[:, None] + jnp.arange(t)[None, :]
     x = jnp.take(embed, input_ids, axis=0).astype(opts.cdtype)
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
@@ -623,11 +642,18 @@ def forward_cached_layers(
                                     matmul_dtype)
 
     if isinstance(layers, Mapping):
+        if per_layer:
+            raise ValueError("per-layer K/V caches need per-layer weights (a list of layer dicts)")
+
         def body(carry, xs):
             return layer(*carry, *xs), None
 
         idx = jnp.arange(cfg.num_hidden_layers)
         (x, k_cache, v_cache), _ = jax.lax.scan(body, (x, k_cache, v_cache), (layers, idx))
+    elif per_layer:
+        k_cache, v_cache = list(k_cache), list(v_cache)
+        for i, p in enumerate(layers):
+            x, k_cache[i], v_cache[i] = layer(x, k_cache[i], v_cache[i], p, None)
     else:
         for i, p in enumerate(layers):
             x, k_cache, v_cache = layer(x, k_cache, v_cache, p, i)

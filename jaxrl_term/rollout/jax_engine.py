@@ -4,9 +4,11 @@ One engine thread owns the device work. ``generate`` calls (from any asyncio tas
 thread admits them into free cache slots as soon as one frees up (prefilling only the part of the prompt a
 slot does not already hold: the turns of one episode share their prefix), runs one jitted decode step for
 every active slot, and resolves each request when it stops. Shapes are bucketed (prefill chunk length,
-attended cache length) so a handful of programs are compiled. Sampling: temperature, top-p, top-k, a
-per-request seed (a request's randomness does not depend on what it is batched with); the log-prob of each
-sampled token is the fp32 log-softmax of logits / temperature, what the trainer recomputes.
+attended cache length) so a handful of programs are compiled. The per-layer caches follow the attended length
+(grown and shrunk by power-of-two buckets, never below a prefix a free slot keeps for reuse), so a full-width
+decode step reads them in place instead of copying out the attended rows and positions. Sampling: temperature,
+top-p, top-k, a per-request seed (a request's randomness does not depend on what it is batched with); the
+log-prob of each sampled token is the fp32 log-softmax of logits / temperature, what the trainer recomputes.
 
 Pause modes follow SGLang's ``/pause_generation`` (>= 0.5.6): ``abort`` ends every request (running, waiting
 and queued) with finish ``abort``; ``in_place`` keeps running requests in their slots with their K/V;
@@ -51,7 +53,8 @@ class JaxEngineConfig:
     # with unstack_layers the per-layer arrays are copies anyway (only embed / norm are shared)
     prefix_reuse: bool = True
     contiguous_head: bool = True  # tied embeddings: keep a [H, V] copy for the LM head (+V*H params of memory)
-    unstack_layers: bool = True  # one array per layer and weight, the layer loop unrolled (see forward_cached_layers)
+    unstack_layers: bool = True  # one array per layer and weight, the layer loop unrolled (see forward_cached_layers);
+    # and one K/V cache per layer, as long as the attended window (JaxEngine._fit_cache), not max_seq_len
     fuse_projections: bool = True  # with unstack_layers: q/k/v and gate/up weights concatenated (2 matmuls, not 5)
     decode_steps: int = 16  # decode steps per program call (>= 1): fewer dispatches; a request that stops early
     # waits for the call to end (up to n - 1 steps computed for nothing in its row)
@@ -74,6 +77,25 @@ def _bucket(n: int, lo: int, hi: int) -> int:
     while b < n:
         b *= 2
     return min(b, hi)
+
+
+def _cache_len(kc) -> int:
+    return (kc[0] if isinstance(kc, list) else kc).shape[-1]
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _resize(k, v, *, size: int):
+    """One layer's K [R, Nkv, D, S] and V [R, Nkv, S, D] with ``size`` positions: the first ``size`` of S (a
+    shrink) or S then zeros (a growth)."""
+    def fit(c, axis):
+        n = c.shape[axis]
+        if size <= n:
+            return jax.lax.slice_in_dim(c, 0, size, axis=axis)
+        pad = [(0, 0)] * c.ndim
+        pad[axis] = (0, size - n)
+        return jnp.pad(c, pad)
+
+    return fit(k, 3), fit(v, 2)
 
 
 def _cast_products(p: dict[str, Any], dtype: str) -> dict[str, Any]:
@@ -100,15 +122,17 @@ def _prefill(w, kc, vc, ids, rows, start, n_valid, write_ok, *, cfg, opts, attn_
     return _logits(w, last, opts, mm)[:, 0], kc, vc
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len", "n_steps", "mm"),
+@functools.partial(jax.jit, static_argnames=("cfg", "opts", "attn_len", "n_steps", "mm", "all_rows"),
                    donate_argnames=("kc", "vc"))
 def _decode(w, kc, vc, tokens, pos, active, rows, temps, top_ps, top_ks, seeds, counters, *, cfg, opts,
-            attn_len: int, n_steps: int, mm: str | None = None):
+            attn_len: int, n_steps: int, mm: str | None = None, all_rows: bool = False):
     """``n_steps`` decode steps in one program: each feeds the token it sampled to the next, so Python (and
     the dispatch of a few hundred small kernels) is paid once per ``n_steps`` tokens. Rows keep going after
     their own stop; the caller discards those tokens, and their K/V lie past the row's end (positions past the
-    cache are dropped). Returns tokens [n, B], log-probs [n, B] and the caches."""
-    s = kc.shape[-1]
+    cache are dropped). ``all_rows``: row j of the batch is cache row j, for every cache row (``rows`` is
+    ignored; no gather of the attended K/V). Returns tokens [n, B], log-probs [n, B] and the caches."""
+    s = _cache_len(kc)
+    rows = None if all_rows else rows
 
     def step(carry, i):
         tok, kc, vc = carry
@@ -214,8 +238,18 @@ class JaxEngine:
         self.w = self._weights(params)
         b, s = self.cfg.max_batch, self.cfg.max_seq_len
         cache_dtype = model.options.cdtype
-        k_shape, v_shape = model.kv_cache_shapes(b, s)
-        self.kc, self.vc = jnp.zeros(k_shape, cache_dtype), jnp.zeros(v_shape, cache_dtype)
+        # per-layer weights get per-layer caches of a resizable length (``_fit_cache``): as long as the attended
+        # window, so a decode step over every row attends the cache buffers themselves (no copy of them); the
+        # stacked path keeps one [L, ...] cache of max_seq_len positions
+        self.resizable = self.cfg.unstack_layers
+        if self.resizable:
+            s = s if self.cfg.deterministic else min(self.cfg.min_bucket, s)
+            k_shape, v_shape = model.kv_cache_shapes(b, s)
+            self.kc = [jnp.zeros(k_shape[1:], cache_dtype) for _ in range(k_shape[0])]
+            self.vc = [jnp.zeros(v_shape[1:], cache_dtype) for _ in range(v_shape[0])]
+        else:
+            k_shape, v_shape = model.kv_cache_shapes(b, s)
+            self.kc, self.vc = jnp.zeros(k_shape, cache_dtype), jnp.zeros(v_shape, cache_dtype)
         self.weight_version = weight_version
         self.slots: list[_Request | None] = [None] * b
         self.slot_cache: list[list[int]] = [[] for _ in range(b)]  # tokens whose K/V a free slot still holds
@@ -227,7 +261,7 @@ class JaxEngine:
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._seed_counter = 0
-        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "generated": 0}
+        self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "decode_steps": 0, "generated": 0, "cache_resizes": 0}
         self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
         self._thread.start()
 
@@ -441,12 +475,13 @@ class JaxEngine:
         self._decode_all()
 
     def _claim(self, req: _Request) -> tuple[_Request, int, list[int], int]:
-        """Give ``req`` a free slot (the one holding the longest prefix of its tokens); (req, slot, seq, cached)."""
+        """Give ``req`` a free slot: the one holding the longest prefix of its tokens, else the one holding the
+        fewest cached tokens (what other slots keep stays reusable); (req, slot, seq, cached)."""
         seq = req.ids + req.out  # a retracted request resumes from what it has generated so far
         if req.version is None:
             req.version = self.weight_version
         free = [i for i, r in enumerate(self.slots) if r is None]
-        slot, common = free[0], 0
+        slot, common = min(free, key=lambda i: len(self.slot_cache[i])), 0
         if self.cfg.prefix_reuse and not self.cfg.deterministic:
             for i in free:
                 c = _common_prefix(self.slot_cache[i], seq)
@@ -479,6 +514,7 @@ class JaxEngine:
             attn = self.cfg.max_seq_len if self.cfg.deterministic else _bucket(top + t, self.cfg.min_bucket,
                                                                                self.cfg.max_seq_len)
             t = min(t, attn - top)  # every padded chunk must fit in the attended window
+            self._fit_cache(attn, shrink=False)
             ids, rows = np.zeros((width, t), np.int32), np.full(width, todo[0][0], np.int32)
             start, n_valid, ok = np.zeros(width, np.int32), np.ones(width, np.int32), np.zeros(width, bool)
             for j, (slot, seq) in enumerate(todo):
@@ -558,10 +594,17 @@ class JaxEngine:
         ``decode_steps`` of them per call, halved while that is more than the most tokens any row has left."""
         live = [i for i, r in enumerate(self.slots) if r is not None]
         b = self.cfg.max_batch if self.cfg.deterministic else _bucket(len(live), 1, self.cfg.max_batch)
+        # a full-width batch puts slot j in row j (free slots ride along inactive): every cache row in order, so
+        # no row gather of the attended K/V
+        all_rows = b == self.cfg.max_batch
+        width_rows = ([i if self.slots[i] is not None else None for i in range(b)] if all_rows
+                      else live + [None] * (b - len(live)))
         tokens, pos = np.zeros(b, np.int32), np.zeros(b, np.int32)
         active, rows = np.zeros(b, bool), np.zeros(b, np.int32)
         left = 1
-        for j, i in enumerate(live):
+        for j, i in enumerate(width_rows):
+            if i is None:
+                continue
             r = self.slots[i]
             tokens[j], pos[j], active[j], rows[j] = r.out[-1], len(r.ids) + len(r.out) - 1, True, i
             left = max(left, min(r.sampling.max_new_tokens - len(r.out),
@@ -570,18 +613,37 @@ class JaxEngine:
         if not self.cfg.deterministic:
             while n > left:  # halve: about log2(decode_steps) program shapes per batch width, not one per
                 n //= 2  # remaining length, and 15 tokens left take 4 calls (8 + 4 + 2 + 1), not 15
-        attn = _bucket(int(pos[: len(live)].max()) + n, self.cfg.min_bucket, self.cfg.max_seq_len)
+        attn = _bucket(int(pos[active].max()) + n, self.cfg.min_bucket, self.cfg.max_seq_len)
         if self.cfg.deterministic:
             attn = self.cfg.max_seq_len
-        width_rows = live + [None] * (b - len(live))
+        # the per-layer caches as long as what they must hold: the attended window, or a longer prefix a free slot
+        # keeps for reuse (then the window is a slice of them, copied on each step, as with a row gather)
+        kept = max((len(c) for i, c in enumerate(self.slot_cache) if self.slots[i] is None), default=0)
+        self._fit_cache(max(attn, _bucket(kept, self.cfg.min_bucket, self.cfg.max_seq_len)), shrink=True)
         samp = self._sampling_arrays(width_rows)
         toks, lps, self.kc, self.vc = _decode(self.w, self.kc, self.vc, jnp.asarray(tokens), jnp.asarray(pos),
                                               jnp.asarray(active), jnp.asarray(rows),
                                               *(jnp.asarray(a) for a in samp), cfg=self.model_cfg,
                                               opts=self.options, attn_len=attn, n_steps=n,
-                                              mm=self.cfg.matmul_dtype)
+                                              mm=self.cfg.matmul_dtype, all_rows=all_rows)
         self.stats["decode_steps"] += n
         self._take(live, width_rows, np.asarray(toks), np.asarray(lps))
+
+    def _fit_cache(self, size: int, shrink: bool) -> None:
+        """Resize the per-layer caches to ``size`` positions: grow (zeros after the current length) when it is
+        longer; when ``shrink`` and it is shorter, drop positions >= size (the caller keeps every running request
+        and every reusable prefix below it). One layer at a time, so the old and new copies of only one layer
+        coexist; a resize costs about one decode step's copy of the cache, and sizes are power-of-two buckets."""
+        if not self.resizable or self.cfg.deterministic:
+            return
+        cur = _cache_len(self.kc)
+        if size == cur or (size < cur and not shrink):
+            return
+        for i in range(len(self.kc)):
+            self.kc[i], self.vc[i] = _resize(self.kc[i], self.vc[i], size=size)
+        if size < cur:  # K/V past the new end is gone (none is expected: see _decode_all)
+            self.slot_cache = [c[:size] for c in self.slot_cache]
+        self.stats["cache_resizes"] += 1
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
