@@ -649,7 +649,8 @@ class DockerSandbox:
                 while chunk := await t.read():
                     cap.add(chunk)
 
-            await asyncio.wait_for(pump(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancellation
+                await pump()
         finally:
             await t.close()
         for _ in range(50):  # the exit code appears once the process is reaped

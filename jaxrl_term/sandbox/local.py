@@ -335,7 +335,8 @@ class LocalSandbox:
 
         feeder = asyncio.create_task(feed()) if stdin is not None else None
         try:
-            code = await asyncio.wait_for(pump(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancellation
+                code = await pump()
         except TimeoutError:
             timed_out = True
             try:

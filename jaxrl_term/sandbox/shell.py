@@ -267,7 +267,8 @@ class PersistentShell:
             state = f"__jrt_s{secrets.token_hex(8)}"
             script = framing.setup_script(self.env, self.last_cwd) + framing.loop_script(*self._key, state)
             await self._t.write(script.encode())
-            m = await asyncio.wait_for(self._exchange(framing.PROBE, timeout_s), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancellation
+                m = await self._exchange(framing.PROBE, timeout_s)
         except (TimeoutError, EOFError, OSError) as e:
             old = re.search(rb"__JRT_OLD_BASH (\S+)", self._buf)
             if old:
@@ -452,7 +453,8 @@ class PersistentShell:
                 deadline = time.monotonic() + self.kill_grace_s
                 continue
             try:
-                await asyncio.wait_for(self._fill(), remaining)
+                async with asyncio.timeout(remaining):  # wait_for (3.11) loses a cancel that lands as _fill ends
+                    await self._fill()
             except TimeoutError:
                 continue
             except (EOFError, OSError):
