@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--results", default=str(REPO / "experiments" / "results"))
     ap.add_argument("--jobs", type=int, default=2, help="train runs at once (a run leaves cores idle while "
                     "sandboxes start and commands run; 2 at once finish sooner on 2 cores)")
+    ap.add_argument("--sft-args", default="", help="extra Hydra overrides of the SFT command only, space-separated "
+                    "(e.g. a model size: 'model.hidden_size=128 model.num_hidden_layers=4'); the RL runs load that "
+                    "checkpoint, shape included")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
     root, py = (REPO / args.root).resolve(), sys.executable
@@ -79,7 +82,7 @@ def main() -> None:
 
     sft = root / "sft"
     sft_cmd = [py, "-m", "jaxrl_term.sft", PRESET, f"run_dir={sft}", f"sft.steps={args.sft_steps}",
-               f"sft.lr={args.sft_lr}"]
+               f"sft.lr={args.sft_lr}", *shlex.split(args.sft_args)]
     if not args.plot_only and not (sft / "hf_final").exists():
         sh(sft_cmd, root / "logs" / "sft.log")
     runs = {(a, s): root / f"{a}_seed{s}" for a in algos for s in seeds}
@@ -110,7 +113,7 @@ def main() -> None:
     heldout = json.loads((runs[first, seeds[0]] / "eval" / "step_000000" / "summary.json").read_text())["tasks"]
     command = shlex.join([".venv/bin/python", "experiments/learning_curve/run.py", "--seeds", args.seeds,
                           "--algos", args.algos, "--steps", str(args.steps), "--jobs", str(args.jobs), "--sft-steps", str(args.sft_steps),
-                          "--sft-lr", str(args.sft_lr),
+                          "--sft-lr", str(args.sft_lr), *(["--sft-args", args.sft_args] if args.sft_args else []),
                           *(["--", *extra] if extra else [])])
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
