@@ -4,6 +4,7 @@ steps; then a PNG of held-out pass@1 vs step, a markdown table and a JSON of the
 
     .venv/bin/python experiments/learning_curve/run.py [--seeds 0,1,2] [--algos grpo,dppo] [--steps 12]
                                                        [--root runs/learning_curve] [--plot-only]
+                                                       [--sft-args 'model.hidden_size=128 ...'] [-- overrides]
 
 Every stage is resumable: a finished SFT or run is skipped, a killed run resumes from its last checkpoint
 (``trainer.resume=auto``). The SFT-only arm is the SFT checkpoint's held-out evaluation at step 0 of each
