@@ -9,8 +9,8 @@ steps; then a PNG of held-out pass@1 vs step, a markdown table and a JSON of the
 Every stage is resumable: a finished SFT or run is skipped, a killed run resumes from its last checkpoint
 (``trainer.resume=auto``). The SFT-only arm is the SFT checkpoint's held-out evaluation at step 0 of each
 seed's runs (``eval.seed`` = the run's seed, so the seeds sample the evaluation independently); it is run once
-per seed, by the first algorithm's run, and shared with the others (same checkpoint, tasks and evaluation seed). Extra Hydra
-overrides after ``--`` go to every train command (e.g. ``-- trainer.eval_every=2``).
+per seed, by the first algorithm's run, and shared with the others (same checkpoint, tasks and evaluation
+seed). Extra Hydra overrides after ``--`` go to every train command (e.g. ``-- trainer.eval_every=2``).
 """
 
 from __future__ import annotations
@@ -113,7 +113,8 @@ def main() -> None:
         final[a] = [curves[a, s][args.steps] for s in seeds]
     heldout = json.loads((runs[first, seeds[0]] / "eval" / "step_000000" / "summary.json").read_text())["tasks"]
     command = shlex.join([".venv/bin/python", "experiments/learning_curve/run.py", "--seeds", args.seeds,
-                          "--algos", args.algos, "--steps", str(args.steps), "--jobs", str(args.jobs), "--sft-steps", str(args.sft_steps),
+                          "--algos", args.algos, "--steps", str(args.steps), "--jobs", str(args.jobs),
+                          "--sft-steps", str(args.sft_steps),
                           "--sft-lr", str(args.sft_lr), *(["--sft-args", args.sft_args] if args.sft_args else []),
                           *(["--", *extra] if extra else [])])
     out = Path(args.results)
@@ -124,7 +125,8 @@ def main() -> None:
         indent=1) + "\n")
     plot(curves, final, seeds, algos, args.steps, out / "learning_curve.png")
 
-    rows = ["| arm | final held-out pass@1 per seed | mean ± std | change vs SFT (mean) |", "| --- | --- | --- | --- |"]
+    rows = ["| arm | final held-out pass@1 per seed | mean ± std | change vs SFT (mean) |",
+            "| --- | --- | --- | --- |"]
     base, _ = spread(final["sft"])
     for arm, xs in final.items():
         m, sd = spread(xs)
