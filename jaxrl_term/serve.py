@@ -184,7 +184,8 @@ class Admission:
 
     async def drained(self, timeout_s: float) -> None:
         async with self.cond:
-            await asyncio.wait_for(self.cond.wait_for(lambda: self.inflight == 0), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow a cancellation
+                await self.cond.wait_for(lambda: self.inflight == 0)
 
 
 def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str = "", *,
@@ -353,7 +354,8 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             return err("generation is paused" if adm.paused else "memory is released", 503)
         try:
             probe = SamplingParams(max_new_tokens=1, temperature=0)
-            await asyncio.wait_for(run_one([default_stop[0] if default_stop else 0], probe), 20)
+            async with asyncio.timeout(20):
+                await run_one([default_stop[0] if default_stop else 0], probe)
             return JSONResponse({})
         except Exception as e:  # noqa: BLE001 - any failure means "not ready"
             return err(f"generation failed: {e}", 503)

@@ -451,3 +451,31 @@ def test_mask_turns_malformed_drops_exactly_the_broken_and_cut_replies(tiny):
     assert all(m == 0 for m, lm in zip(mask, traj.loss_mask) if lm == 0)  # nothing outside the policy's tokens
     with pytest.raises(ValueError, match="algo.mask_turns"):
         traj.train_mask("broken")
+
+
+def test_a_cancellation_landing_as_a_generation_completes_stops_the_episode(tiny, local_sandbox):
+    """Python 3.11's ``asyncio.wait_for`` returns the result of an inner call that finished in the same loop
+    iteration as the outer cancellation, swallowing it: the cancelled episode went on (more turns, commands run in
+    a sandbox being torn down). The cancellation must reach the caller at the next suspension point."""
+
+    class CancelsAsItReturns(ScriptedEngine):
+        victim: asyncio.Task | None = None
+
+        async def generate(self, input_ids, sampling, *, session=None):
+            gen = await super().generate(input_ids, sampling, session=session)
+            self.victim.cancel()  # the trainer (or a deadline) cancels the episode as the reply arrives
+            return gen
+
+    engine = CancelsAsItReturns(tiny, ["```bash\ntouch /app/first\n```", "```bash\ntouch /app/second\n```"])
+
+    async def go(sb):
+        engine.victim = asyncio.current_task()
+        try:
+            await run_episode(TASK, engine, sb, tiny, make_scaffold("bash"),
+                              limits=AgentLimits(max_turns=3, command_timeout_s=5, trajectory_timeout_s=30))
+        except asyncio.CancelledError:
+            asyncio.current_task().uncancel()
+            return "cancelled", len(engine.requests)
+        return "finished", len(engine.requests)
+
+    assert asyncio.run(local_sandbox(go)) == ("cancelled", 1)

@@ -354,7 +354,7 @@ def test_sixteen_concurrent_sandboxes_twenty_commands_each():
 # ------------------------------------------------------------------------------------------- reaping
 
 OWNER = """
-import asyncio, json, os, signal, sys
+import asyncio, json, os, signal, sys, threading, time
 from jaxrl_term.sandbox.base import open_sandbox, unwind_on_sigterm
 async def main():
     async with open_sandbox('local') as a, open_sandbox('local') as b:
@@ -364,8 +364,16 @@ async def main():
                           [a.confine.host_uid, b.confine.host_uid]]), flush=True)
         if sys.argv[1] == 'KILL':
             os.kill(os.getpid(), signal.SIGKILL)
-        await asyncio.sleep(1000)
-if sys.argv[1] == 'TERM':
+        try:
+            await asyncio.sleep(1000)
+        except BaseException:
+            if sys.argv[1] == 'STUCK':  # the unwinding waits on what no signal ends (a step on a worker thread)
+                print('unwinding', flush=True)
+                worker = threading.Thread(target=time.sleep, args=(1000,))
+                worker.start()
+                worker.join()
+            raise
+if sys.argv[1] in ('TERM', 'STUCK'):
     unwind_on_sigterm()
 asyncio.run(main())
 """
@@ -403,6 +411,21 @@ def test_sigterm_cleans_up_like_a_normal_exit(tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     assert not any(r.exists() for r in roots) and not any(os.path.exists(c) for c in cgroups)
+    assert not _uid_alive(uids)
+
+
+def test_a_second_sigterm_removes_the_sandboxes_and_exits_when_the_unwinding_is_stuck(tmp_path):
+    proc, roots, cgroups, uids = _start_owner(tmp_path, "STUCK")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline() == "unwinding\n"
+    time.sleep(0.5)
+    assert proc.poll() is None and all(r.is_dir() for r in roots)  # stuck with its sandboxes open
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not any(r.exists() for r in roots) and not any(os.path.exists(c) for c in cgroups)
+    deadline = time.monotonic() + 5
+    while _uid_alive(uids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not _uid_alive(uids)
 
 

@@ -175,7 +175,8 @@ async def run_episode(
                                session=session)
             else:
                 request = engine.generate(list(ids), params, session=session)
-            gen = await asyncio.wait_for(request, remaining)
+            async with asyncio.timeout(remaining):  # not wait_for: on 3.11 it can swallow a cancellation that
+                gen = await request                  # lands as the generation completes (the episode would go on)
         except asyncio.TimeoutError:
             trouble = engine.trouble(session) if hasattr(engine, "trouble") else None
             if trouble:  # the engine was retrying when time ran out: the infrastructure's fault, not the policy's

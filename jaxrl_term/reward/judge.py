@@ -218,8 +218,8 @@ class JudgeClient:
         rest = list(trajectories)
         while rest and self.breakers[ep.name].half_open():  # one at a time until a trial request closes it
             try:  # (a cached answer makes no request, so the next trajectory is the trial)
-                first.append(await asyncio.wait_for(self.judge_one(ep, task, rest.pop(0), deadline=deadline),
-                                                    _left(deadline)))
+                async with asyncio.timeout(_left(deadline)):  # not wait_for: on 3.11 it can swallow a cancellation
+                    first.append(await self.judge_one(ep, task, rest.pop(0), deadline=deadline))
             except TimeoutError as e:
                 raise JudgeFailure("timeout", "the group's deadline passed") from e
         tasks = [asyncio.ensure_future(self.judge_one(ep, task, t, deadline=deadline)) for t in rest]

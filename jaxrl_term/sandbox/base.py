@@ -81,18 +81,48 @@ class Sandbox(Protocol):
 BACKENDS = ("docker", "local")
 
 
+_FORCED_EXIT: list = []  # what a forced exit still runs: the backends' removal of this process's sandboxes
+
+
+def on_forced_exit(fn) -> None:
+    """Run ``fn`` (no arguments, best effort) when a second SIGTERM ends the process without unwinding."""
+    if fn not in _FORCED_EXIT:
+        _FORCED_EXIT.append(fn)
+
+
 def unwind_on_sigterm() -> None:
     """Make SIGTERM unwind like Ctrl-C (KeyboardInterrupt in the main thread), so ``finally`` blocks and context
     managers run and sandboxes are removed; the default action would kill the process on the spot. Call it from
-    entry points (train, eval, tasks check)."""
+    entry points (train, eval, tasks check).
+
+    A second SIGTERM ends the process at once (exit status 143): the unwinding can wait on what a signal cannot
+    interrupt, e.g. a train step or an XLA compile on a worker thread (``asyncio.run`` joins its executor's
+    threads, and so does the interpreter's exit). Before it exits, the backends remove this process's sandboxes
+    (``on_forced_exit``); a training run resumes from its last checkpoint."""
     import signal
+    import sys
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         return
+    received = []
 
     def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt(f"signal {signum}")
+        try:
+            sys.stderr.write(f"[jaxrl_term] signal {signum} again: removing this process's sandboxes and exiting "
+                             f"now, without waiting for running threads\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - a closed stderr must not stop the exit
+            pass
+        for fn in reversed(_FORCED_EXIT):
+            try:
+                fn()
+            except BaseException:  # noqa: BLE001 - best effort: the next start-up's reap catches the rest
+                pass
+        os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
 

@@ -33,7 +33,7 @@ import tarfile
 import uuid
 from pathlib import Path
 
-from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, tar_directory
+from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, on_forced_exit, tar_directory
 from jaxrl_term.sandbox.confine import PidPressure
 from jaxrl_term.sandbox.shell import PersistentShell, kill_command, kill_tree_command
 
@@ -373,7 +373,8 @@ async def attach_exec(api, exec_id: str):
             ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         if api.cert:
             ctx.load_cert_chain(*api.cert) if isinstance(api.cert, tuple) else ctx.load_cert_chain(api.cert)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, u.port, ssl=ctx), 60)
+        async with asyncio.timeout(60):  # not wait_for: on 3.11 it can swallow a cancellation
+            reader, writer = await asyncio.open_connection(u.hostname, u.port, ssl=ctx)
         host = u.netloc
     else:
         target = api._custom_adapter.ssh_host  # user@host:port, as docker-py's ssh client splits it
@@ -398,14 +399,16 @@ async def attach_exec(api, exec_id: str):
                       f"Content-Type: application/json\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
         await writer.drain()
-        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)).decode("latin-1")
+        async with asyncio.timeout(60):
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
         status = int(head.split(" ", 2)[1])
         if status not in (101, 200):
             import docker
 
             length = next((int(line.split(":", 1)[1]) for line in head.split("\r\n")
                            if line.lower().startswith("content-length:")), 0)
-            text = (await asyncio.wait_for(reader.read(length or 65536), 10)).decode(errors="replace").strip()
+            async with asyncio.timeout(10):
+                text = (await reader.read(length or 65536)).decode(errors="replace").strip()
             try:
                 text = json.loads(text).get("message", text)
             except (ValueError, AttributeError):
@@ -441,7 +444,8 @@ class _Closer:
         self.close()
         if self.proc is not None:
             try:
-                await asyncio.wait_for(self.proc.wait(), 5)  # reaped, its pipes' transports closed
+                async with asyncio.timeout(5):
+                    await self.proc.wait()  # reaped, its pipes' transports closed
             except (asyncio.TimeoutError, ProcessLookupError):
                 pass
 
@@ -470,6 +474,7 @@ class DockerSandbox:
                 import atexit
 
                 atexit.register(_reap_own_all)
+                on_forced_exit(_reap_own_all)  # a second SIGTERM exits without atexit
                 _atexit_registered = True
             _own_engines[where] = client()  # before the reap: a failed reap does not leave the engine out at exit
             await _call(reap, client_=client())

@@ -148,7 +148,10 @@ def first_start() -> None:
         _started = True
     import atexit
 
+    from jaxrl_term.sandbox.base import on_forced_exit
+
     atexit.register(_reap_own)
+    on_forced_exit(_reap_own)  # a second SIGTERM exits without atexit
     try:
         reap()
     except Exception as e:  # noqa: BLE001 - leftovers must not stop a new run; they are retried next start
