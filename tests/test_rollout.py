@@ -107,8 +107,8 @@ def test_bf16_products_keep_fp32_log_probs_within_bf16_rounding_of_the_trainer(m
 
     def weight_dtypes():
         layer = eng.w["layers"][0]
-        return ({str(layer[k].dtype) for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
-                str(eng.w["head"].dtype), str(layer["input_layernorm"].dtype), str(eng.w["embed"].dtype))
+        return ({str(layer[k + "_nk"].dtype) for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")},
+                str(eng.w["head_nk"].dtype), str(layer["input_layernorm"].dtype), str(eng.w["embed"].dtype))
 
     try:
         assert weight_dtypes() == ({"bfloat16"}, "bfloat16", "float32", "float32")
@@ -136,6 +136,45 @@ def test_bf16_products_keep_fp32_log_probs_within_bf16_rounding_of_the_trainer(m
     h, w = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 64)), jax.random.normal(jax.random.PRNGKey(1), (64, 99))
     np.testing.assert_array_equal(lm_logits(h, w, True, "bfloat16"), lm_logits(h, w, True))
     assert np.abs(np.asarray(lm_logits(h, w, False, "bfloat16") - lm_logits(h, w, True))).max() > 1e-4
+
+
+def test_out_major_weights_give_the_same_generations_tied_and_untied(model_dir, tmp_path):
+    """``out_major_weights`` (the default: product weights and LM head stored [out, in], multiplied from the left)
+    against the [in, out] layout, on the untied fixture and on a tied checkpoint (whose LM head is then the
+    embedding itself): the same greedy tokens as each other and as transformers, log-probs within fp32 rounding
+    (fp32) and bf16 rounding (bf16 products, bf16 head), and the tied head is not a copy."""
+    tied_dir = tmp_path / "tied"
+    hf_tied = hf_checkpoint(tied_dir, tied=True, rope_theta=10_000.0, vocab_size=VOCAB, seed=3)
+    ps = prompts(4, seed=9)
+
+    async def go(e):
+        return await asyncio.gather(*(e.generate(p, SamplingParams(temperature=0, max_new_tokens=20)) for p in ps))
+
+    for d, hf in ((model_dir[0], model_dir[1]), (tied_dir, hf_tied)):
+        with torch.no_grad():
+            ref = [hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)[0, len(p):].tolist() for p in ps]
+        for mm, tol in ((None, 1e-5), ("bfloat16", 3e-2)):
+            gens = {}
+            for out_major in (True, False):
+                eng = JaxEngine(load_pretrained(d, options=ModelOptions(lm_head_fp32=mm is None)),
+                                config=JaxEngineConfig(max_batch=4, max_seq_len=128, matmul_dtype=mm,
+                                                       out_major_weights=out_major))
+                try:
+                    assert (eng.w["head_nk"] is not None) == out_major and (eng.w["head"] is None) == out_major
+                    if out_major and d == tied_dir and mm is None:
+                        assert eng.w["head_nk"] is eng.w["embed"]  # the embedding itself, no [V, H] copy
+                    gens[out_major] = run(go(eng))
+                finally:
+                    eng.close()
+            new, old = gens[True], gens[False]
+            assert [g.output_ids for g in new] == [g.output_ids for g in old]
+            if mm is None:
+                assert [g.output_ids for g in new] == ref, d
+            for a, b in zip(new, old):
+                assert np.abs(np.asarray(a.output_logprobs) - np.asarray(b.output_logprobs)).max() <= tol
+    with pytest.raises(ValueError, match="out_major_weights"):
+        JaxEngineConfig(fuse_projections=False)
 
 
 def test_continuous_batching_of_32_requests_is_correct_and_faster(engine):
@@ -581,6 +620,70 @@ def test_sampler_draws_follow_softmax_and_respect_truncation():
     w[2, [3, 600]] = [1e-3, 1.0]
     idx = np.asarray(inverse_cdf(jnp.asarray(w), jnp.asarray([np.float32(1 - 2**-24), 0.5, 1 - 2**-24])))
     assert idx.tolist() == [299, 512, 600]
+
+
+def test_top_k_top_p_cut_matches_a_full_sort_on_both_paths():
+    """The top-k / top-p cut without a full sort (``truncation_mask``): the top TOP_WINDOW logits when the cut
+    falls among them, else a bisection on the logits' order. Both paths keep exactly what a sorted reference
+    keeps (the largest k; the smallest set of the largest with mass >= top_p; ties at the cut kept), on peaked
+    and flat rows, ties, -0.0 next to 0.0, -inf entries and a top_k beyond the window."""
+    from jaxrl_term.rollout.jax_engine import TOP_WINDOW, truncation_mask
+
+    rng = np.random.RandomState(3)
+    v = 3000  # > TOP_WINDOW, not a multiple of anything the engine uses
+
+    def row(kind):
+        if kind == "peaked":
+            return rng.randn(v) * 4.0
+        if kind == "flat":
+            return rng.randn(v) * 0.3
+        if kind == "ties":  # many equal values, and -0.0 beside 0.0
+            z = np.round(rng.randn(v) * 1.5)
+            z[z == 0] = np.where(rng.rand(int((z == 0).sum())) < 0.5, -0.0, 0.0)
+            return z
+        z = rng.randn(v) * 2.0  # "masked": impossible entries
+        z[rng.choice(v, 500, replace=False)] = -np.inf
+        return z
+
+    def reference(z, top_p, top_k):
+        """Kept entries and the number of sorted positions the cut needs (what decides the path)."""
+        srt = np.sort(z)[::-1]
+        p = np.exp(srt - srt[0])
+        p /= p.sum()
+        thr, need = -np.inf, 0
+        if 0 < top_k < v:
+            thr, need = srt[top_k - 1], top_k
+        if top_p < 1.0:
+            n = int(np.searchsorted(np.cumsum(p), top_p)) + 1  # smallest count whose mass reaches top_p
+            need = n if thr == -np.inf else min(need, n)
+            thr = max(thr, srt[n - 1])
+        return z >= thr, need
+
+    def check(cases):
+        z = np.stack([row(kind) for kind, _, _ in cases]).astype(np.float32)
+        top_p = np.array([c[1] for c in cases], np.float32)
+        top_k = np.array([c[2] for c in cases], np.int32)
+        zj = jnp.asarray(z)
+        top = jnp.max(zj, axis=-1, keepdims=True)
+        e = jnp.exp(zj - top)
+        lse = top[:, 0] + jnp.log(jnp.sum(e, axis=-1))
+        got = np.asarray(truncation_mask(zj, e, lse, jnp.asarray(top_p), jnp.asarray(top_k),
+                                         jnp.zeros(len(cases), bool)))
+        needs = []
+        for i, (kind, tp, tk) in enumerate(cases):
+            want, need = reference(z[i], tp, tk)
+            needs.append(need)
+            assert np.array_equal(got[i], want), (kind, tp, tk, int(got[i].sum()), int(want.sum()))
+        return needs
+
+    # every cut among the top TOP_WINDOW: the window decides all rows of the call
+    near = [("peaked", 0.9, -1), ("peaked", 0.5, 20), ("flat", 1.0, 20), ("ties", 1.0, 5), ("masked", 0.3, -1),
+            ("peaked", 1.0, -1), ("flat", 0.999, 1)]
+    assert max(check(near)) <= TOP_WINDOW
+    # some cuts further out: the bisection decides every row of the call, the near ones included
+    far = near + [("flat", 0.9, -1), ("flat", 1.0, 200), ("ties", 0.95, -1), ("masked", 0.99, 300),
+                  ("flat", 0.5, 100)]
+    assert max(check(far)) > TOP_WINDOW
 
 
 def test_multi_step_decode_equals_single_steps_and_stops_inside_a_call(model_dir, engine):

@@ -18,6 +18,8 @@ The GEMM bound: the same generation as nothing but its matrix products (every la
 head, XLA's GEMM on this machine: the prefill's at M = B x 64, each decode step's at M = B) timed in the same
 run, in fp32 and in bf16 x bf16 -> fp32. No engine that does these products with this GEMM can beat it; "bound /
 HF" is the largest ratio over transformers fp32 that the machine allows, whatever the engine does around them.
+The bound's weights are laid out as the engine's (``out_major_weights``: [out, in], multiplied from the left),
+the faster of the two layouts on this GEMM.
 
     .venv/bin/python experiments/bench/sampler.py [--repeats 3]
 """
@@ -59,12 +61,14 @@ def gemm_bound(cfg: dict, b: int, repeats: int, dtype: str = "float32") -> float
     h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     qd, kvd = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
     key = iter(jax.random.split(jax.random.PRNGKey(0), 4 * n + 1))
+    # stored [out, in] and multiplied from the left, as the engine's out_major_weights (about 2x the [in, out]
+    # layout's speed at M = 8-32 on XLA's CPU GEMM, the same at a prefill's M)
     layers = [[(jax.random.normal(next(key), s, jnp.float32) * 0.02).astype(dtype)
-               for s in ((h, qd + 2 * kvd), (qd, h), (h, 2 * i), (i, h))] for _ in range(n)]
-    head = (jax.random.normal(next(key), (h, v), jnp.float32) * 0.02).astype(dtype)
+               for s in ((qd + 2 * kvd, h), (h, qd), (2 * i, h), (h, i))] for _ in range(n)]
+    head = (jax.random.normal(next(key), (v, h), jnp.float32) * 0.02).astype(dtype)
 
     def mm(x, w):
-        return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        return jnp.einsum("nk,mk->nm", w, x.astype(w.dtype), preferred_element_type=jnp.float32).T
 
     def body(x):
         for wqkv, wo, wgu, wd in layers:
@@ -194,7 +198,7 @@ def main() -> None:
            f"{platform.machine()}, {os.cpu_count()} CPU threads; greedy; prompt {PROMPT}, {NEW} new tokens; "
            f"median of {args.repeats}. Engine: JaxEngineConfig defaults (decode_steps={JaxEngineConfig.decode_steps}, "
            f"unstack_layers={JaxEngineConfig.unstack_layers}, fuse_projections={JaxEngineConfig.fuse_projections}, "
-           f"contiguous_head={JaxEngineConfig.contiguous_head}); fresh prompts every call; {SETTLE} s idle before "
+           f"out_major_weights={JaxEngineConfig.out_major_weights}); fresh prompts every call; {SETTLE} s idle before "
            "each timed call.")
     text = ("# Sampling: embedded JAX engine (continuous batching, KV cache) vs transformers `generate`\n\n"
             f"{env} ours bf16 = `rollout.jax.matmul_dtype=bfloat16 model.options.lm_head_fp32=false` (bf16 "
