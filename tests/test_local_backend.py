@@ -360,11 +360,11 @@ async def main():
     async with open_sandbox('local') as a, open_sandbox('local') as b:
         for sb in (a, b):
             await sb.run('sleep 1000 &')
-        print(json.dumps([[str(a.root), str(b.root)], list(a.confine.cgroups) + list(b.confine.cgroups),
-                          [a.confine.host_uid, b.confine.host_uid]]), flush=True)
-        if sys.argv[1] == 'KILL':
-            os.kill(os.getpid(), signal.SIGKILL)
-        try:
+        try:  # the test signals as soon as it reads this line: print() may not have returned yet
+            print(json.dumps([[str(a.root), str(b.root)], list(a.confine.cgroups) + list(b.confine.cgroups),
+                              [a.confine.host_uid, b.confine.host_uid]]), flush=True)
+            if sys.argv[1] == 'KILL':
+                os.kill(os.getpid(), signal.SIGKILL)
             await asyncio.sleep(1000)
         except BaseException:
             if sys.argv[1] == 'STUCK':  # the unwinding waits on what no signal ends (a step on a worker thread)
