@@ -3,6 +3,7 @@ plus the limits only Docker can enforce (stated per test)."""
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -227,6 +228,53 @@ def test_reaper_removes_containers_of_a_killed_run(docker_client, tmp_path):
 
     assert reap() >= 2
     assert docker_client.containers.list(all=True, filters={"label": "jaxrl_term.test=reaper"}) == []
+
+
+STUCK_OWNER = """
+import asyncio, sys, threading, time
+from jaxrl_term.sandbox.base import open_sandbox, unwind_on_sigterm
+async def main():
+    async with open_sandbox('docker', sys.argv[1], labels={'jaxrl_term.test': 'forced'}) as a, \\
+               open_sandbox('docker', sys.argv[1], labels={'jaxrl_term.test': 'forced'}) as b:
+        try:  # the test signals as soon as it reads this line: print() may not have returned yet
+            print('ready', flush=True)
+            await asyncio.sleep(1000)
+        except BaseException:
+            print('unwinding', flush=True)  # and waits on what no signal ends (a train step on a worker thread)
+            worker = threading.Thread(target=time.sleep, args=(1000,))
+            worker.start()
+            worker.join()
+            raise
+unwind_on_sigterm()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.docker
+def test_a_second_sigterm_removes_the_containers_when_the_unwinding_is_stuck(docker_client, tmp_path):
+    """A run whose unwinding hangs (SIGTERM, then a worker thread that never returns) is ended by a second
+    SIGTERM; before it exits, the Docker backend removes the containers it owns, without waiting for the reaper of
+    the next start-up."""
+    script = tmp_path / "owner.py"
+    script.write_text(STUCK_OWNER)
+    proc = subprocess.Popen([sys.executable, str(script), IMAGE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        mine = {"label": "jaxrl_term.test=forced"}
+        assert len(docker_client.containers.list(all=True, filters=mine)) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline() == "unwinding\n"
+        time.sleep(0.5)
+        assert proc.poll() is None  # stuck, with its containers still there
+        assert len(docker_client.containers.list(all=True, filters=mine)) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert docker_client.containers.list(all=True, filters=mine) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in docker_client.containers.list(all=True, filters={"label": "jaxrl_term.test=forced"}):
+            c.remove(force=True)
 
 
 @pytest.mark.docker
