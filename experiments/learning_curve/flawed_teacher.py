@@ -25,19 +25,14 @@ import sys
 from pathlib import Path
 
 
-async def quit_demos(tasks, cfg, tokenizer, n: int, seed: int) -> list:
+async def quit_demos(tasks, agent, sb, backend: str, builder, tokenizer, n: int, seed: int) -> list:
     """``n`` episodes (tasks drawn with replacement) whose only reply ends the episode at once."""
-    from omegaconf import OmegaConf
-
     from jaxrl_term.agent.actions import make_scaffold
     from jaxrl_term.agent.loop import run_episode
     from jaxrl_term.reward.verifier import verify
     from jaxrl_term.rollout.oracle import ReplayEngine, oracle_replies
     from jaxrl_term.tasks.env import open_task_sandbox
-    from jaxrl_term.train import sandbox_backend
 
-    agent, sb = OmegaConf.to_object(cfg.agent), OmegaConf.to_object(cfg.sandbox)
-    backend, builder = sandbox_backend(cfg.sandbox)
     rng = random.Random(seed)
     picked = [rng.choice(tasks) for _ in range(n)]
     reply = oracle_replies(tasks[0], agent.scaffold)[-1]  # the oracle's closing reply, given as the first
@@ -90,7 +85,7 @@ def main() -> None:
                                             backend=backend, builder=builder, sandbox_limits=sb.limits(),
                                             enable_thinking=agent.enable_thinking)
         n_quit = round(len(good) * args.quit_frac / (1.0 - args.quit_frac))
-        return good, await quit_demos(tasks, cfg, tok, n_quit, args.seed)
+        return good, await quit_demos(tasks, agent, sb, backend, builder, tok, n_quit, args.seed)
 
     good, bad = asyncio.run(collect())
     records = [{"token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask), "task": t.task_id, "kind": kind}
