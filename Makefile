@@ -35,7 +35,7 @@ train: sandbox
 	$(BIN)/python -m jaxrl_term.train +experiment=tiny_cpu $(ARGS)
 
 test: sandbox browser
-	$(BIN)/python -m pytest -q --timeout=900 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python experiments/bench/forward.py

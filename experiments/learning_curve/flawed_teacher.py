@@ -93,7 +93,9 @@ def main() -> None:
     random.Random(args.seed).shuffle(records)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp = out.with_name(out.name + ".tmp")  # a killed write leaves no half file for a resumed run.py to take
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(out)
     print(f"{out}: {len(good)} oracle and {len(bad)} quitting demonstrations of {len(tasks)} training tasks",
           file=sys.stderr)
 
