@@ -83,6 +83,8 @@ def main() -> None:
                     "(written to ROOT/flawed_demos.jsonl once); 0: the oracle demonstrations of the SFT config")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.teacher_quit_frac < 1.0:
+        ap.error(f"--teacher-quit-frac {args.teacher_quit_frac}: must be in [0, 1) (0: the oracle demonstrations)")
     root, py = (REPO / args.root).resolve(), sys.executable
     seeds, algos = [int(s) for s in args.seeds.split(",")], args.algos.split(",")
     t0 = time.time()
