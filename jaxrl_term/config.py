@@ -316,6 +316,9 @@ class ClusterCfg:
     gpu: str = "cpu"
     gpu_memory_gb: float = 0.0
     host_memory_gb: float = 0.0  # per node; the planner checks optim.offload's host memory against it (0 = unchecked)
+    # variables JAX / XLA / NCCL read when the backend is created (e.g. NCCL_IB_HCA, XLA_FLAGS), set by
+    # runtime_env.apply_env before anything touches a device, next to the colocation plan's allocator settings
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -688,6 +691,10 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
             bad("model.tokenizer", "cannot be resolved", "give model.tokenizer=DIR, tiny or qwen3")
     if tok and tok not in ("tiny", "qwen3") and not (Path(os.path.expanduser(tok)) / "tokenizer.json").is_file():
         bad("model.tokenizer", f"{tok} has no tokenizer.json", "give an HF tokenizer directory, or tiny / qwen3")
+    from jaxrl_term.runtime_env import env_problems
+
+    for key, what, fix in env_problems(dict(cfg.trainer.cluster.env or {})):
+        bad(key, what, fix)
     data_problems(cfg.data, "data", bad)
     if cfg.trainer.eval_every or cfg.trainer.eval_before_train:
         data_problems(cfg.eval.data, "eval.data", bad)

@@ -54,10 +54,12 @@ def cluster_devices(cfg) -> int:
 
 
 def fake_devices(n: int) -> None:
-    """Ask XLA for ``n`` CPU devices. Must run before JAX initialises a backend."""
+    """Ask XLA for ``n`` CPU devices (``runtime_env.apply_env``: refused once a backend exists)."""
+    from jaxrl_term.runtime_env import apply_env
+
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    apply_env({"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip(), "JAX_PLATFORMS": "cpu"},
+              who="plan", override=True)
 
 
 # ------------------------------------------------------------------------------------------ training

@@ -468,6 +468,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument(flag, action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from jaxrl_term.runtime_env import apply_env
+
+    # before the backend exists (runtime_env.py): SGLang's static share of the GPU is XLA's preallocation here
+    apply_env({"XLA_PYTHON_CLIENT_MEM_FRACTION": str(float(args.mem_fraction_static))}
+              if args.mem_fraction_static is not None else {}, who="serve")
     import uvicorn
 
     from jaxrl_term.model.hf import load_pretrained

@@ -132,10 +132,13 @@ class Trainer:
     def __init__(self, cfg: Config):
         from jaxrl_term.parallel.mesh import initialize_distributed
         from jaxrl_term.parallel.multihost import HostChannel
-        from jaxrl_term.rollout.colocation import apply_trainer_env, colocation_plan
         from jaxrl_term.rollout.setup import launch_local_servers
+        from jaxrl_term.runtime_env import apply_env, config_env
 
         self.cfg = cfg
+        # First, before anything touches a backend: the XLA allocator settings of the colocation plan and
+        # trainer.cluster.env (main() applied them already; a library caller gets the same order here).
+        apply_env(config_env(cfg), who="train")
         d = cfg.mesh.distributed
         initialize_distributed(enabled=d.enabled, coordinator_address=d.coordinator_address,
                                num_processes=d.num_processes, process_id=d.process_id,
@@ -145,12 +148,8 @@ class Trainer:
         if cfg.rollout.engine == "jax" and self.channel.count > 1:
             raise ValueError("rollout.engine=jax is a single-process engine; multi-host runs use rollout=sglang")
         self.run_dir = Path(cfg.run_dir)
-        # Before anything touches a GPU: the XLA allocator settings of the colocation plan, and this node's
-        # SGLang servers, started and ready (SGLang sizes its KV cache from the memory free when it starts).
-        if cfg.trainer.cluster.gpus_per_node > 0:
-            done = apply_trainer_env(colocation_plan(cfg))
-            if done:
-                log.info("colocation %s: %s", cfg.rollout.sglang.colocation.mode, done)
+        # Still before anything touches a GPU: this node's SGLang servers, started and ready (SGLang sizes its KV
+        # cache from the memory free when it starts).
         self.launcher = launch_local_servers(cfg, self.run_dir)
         if self.launcher is not None:
             try:
@@ -669,6 +668,9 @@ def main(cfg: Config) -> None:
     if cfg.trainer.dry_run:
         print("preflight: ok")
         return
+    from jaxrl_term.runtime_env import apply_env, config_env
+
+    apply_env(config_env(cfg), who="train")  # before anything touches a backend (runtime_env.py)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(cfg.run_dir) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     trainer = Trainer(cfg)

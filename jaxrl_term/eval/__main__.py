@@ -82,8 +82,11 @@ def main(cfg) -> None:
     from jaxrl_term.eval.run import run_eval
     from jaxrl_term.sandbox.base import unwind_on_sigterm
 
+    from jaxrl_term.runtime_env import apply_env, config_env
+
     unwind_on_sigterm()
     check(cfg)
+    apply_env(config_env(cfg), who="eval")  # before anything touches a backend (runtime_env.py)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = asyncio.run(run_eval(cfg))

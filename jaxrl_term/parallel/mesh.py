@@ -232,7 +232,8 @@ def initialize_distributed(
 ) -> None:
     """``jax.distributed.initialize`` from config; with all fields None it auto-detects (SLURM, TPU, ...).
 
-    Call before anything touches a device. A no-op when ``enabled`` is false.
+    Call before anything touches a device, after ``runtime_env.apply_env``; it creates no backend itself. A no-op
+    when ``enabled`` is false.
     """
     if not enabled:
         return
@@ -246,10 +247,10 @@ def initialize_distributed(
     if local_device_ids is not None:
         kwargs["local_device_ids"] = list(local_device_ids)
     jax.distributed.initialize(**kwargs)
-    log.info(
-        "jax.distributed: process %d/%d, %d local / %d global devices",
-        jax.process_index(),
-        jax.process_count(),
-        jax.local_device_count(),
-        jax.device_count(),
-    )
+    # from the coordination client's state: jax.process_index() / device counts would create the backend here,
+    # before the node's SGLang servers have taken their memory (runtime_env.py)
+    from jax._src import distributed
+
+    gs = distributed.global_state
+    log.info("jax.distributed: process %s of %s (coordinator %s)", gs.process_id, gs.num_processes,
+             gs.coordinator_address)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 GB = 1e9
 
@@ -52,7 +51,8 @@ class ColocationPlan:
         return f"mem_fraction_static x {self.gpu_gb:.0f} GB = {self.sglang_static_gb:.1f} GB static per GPU"
 
     def trainer_env(self) -> dict[str, str]:
-        """The XLA allocator settings the trainer must start with (before JAX touches a GPU)."""
+        """The XLA allocator settings the trainer must start with (set by ``runtime_env.apply_env`` before JAX
+        touches a GPU)."""
         if self.mode == "time_share":
             return {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
         if self.xla_mem_fraction is not None:
@@ -139,12 +139,3 @@ def colocation_plan(cfg, *, train_peak_gb: float = 0.0, train_resident_gb: float
         return ColocationPlan("time_share", gpu, budget, train_resident_gb, static, resident, None)
     raise ValueError(f"rollout.sglang.colocation.mode={mode!r}; use static, time_share or none")
 
-
-def apply_trainer_env(plan: ColocationPlan) -> dict[str, str]:
-    """Set the XLA allocator variables for this process unless the user set them; returns what was set."""
-    done = {}
-    for k, v in plan.trainer_env().items():
-        if k not in os.environ:
-            os.environ[k] = v
-            done[k] = v
-    return done
