@@ -51,6 +51,11 @@ class ModelCfg:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 40960
+    # YaRN past the pre-training length, as HF's rope_scaling: {rope_type: yarn, factor: 2.0,
+    # original_max_position_embeddings: 32768} (Qwen3 at 64k). Set, it replaces config.json's scaling (trainer, embedded
+    # engine and launched SGLang servers alike); null = the model's own (model.path's config.json, else none).
+    # (typed Any: OmegaConf 2.3 cannot merge a dict override into a null Optional[Dict] node in struct mode)
+    rope_scaling: Any = None
     options: ModelOptionsCfg = field(default_factory=ModelOptionsCfg)
 
 
@@ -213,16 +218,38 @@ class ColocationCfg:
     """How launched servers share GPUs with the trainer (see ``rollout.colocation``)."""
 
     mode: str = "static"  # static | time_share | none
+    # runtime overheads per GPU and process that no compile shows (sources: rollout/colocation.py's docstring)
     sglang_reserve_gb: float = 6.0  # SGLang's memory beyond mem_fraction_static (activations, CUDA graphs)
     cuda_context_gb: float = 1.0  # per process per GPU
+    nccl_gb: float = 1.0  # communicator buffers of a process that runs collectives (trainer; a TP > 1 server)
+    xla_runtime_gb: float = 1.0  # the trainer outside XLA's buffer assignment (fragmentation, workspaces)
     released_residual_gb: float = 3.0  # time_share: what a released server still holds
     trainer_fraction_alone: float = 0.9  # mode none: XLA_PYTHON_CLIENT_MEM_FRACTION
 
 
 @dataclasses.dataclass
+class RouterLaunchCfg:
+    """The ``sglang-router`` process trainer process 0 starts in front of every server (``rollout.router``)."""
+
+    python: Optional[str] = None  # an interpreter with sglang-router installed; null = the trainer's
+    module: str = "sglang_router.launch_router"
+    host: str = "127.0.0.1"  # only process 0 sends requests
+    port: Optional[int] = None  # null = a free port
+    policy: str = "manual"  # manual: X-SMG-Routing-Key (the episode) -> one server | cache_aware | round_robin | ...
+    assignment_mode: str = "min_load"  # manual: where a new episode goes (random | min_load | min_group)
+    health_check_endpoint: str = "/v1/models"  # not /health: it waits while a weight sync pauses the server
+    health_check_interval_s: int = 10
+    health_failure_threshold: int = 3
+    log_level: str = "warn"  # info logs two lines per request
+    extra_args: list[str] = field(default_factory=list)
+    ready_timeout_s: float = 300.0
+
+
+@dataclasses.dataclass
 class SGLangCfg:
     urls: list[str] = field(default_factory=list)
-    router: bool = False
+    router: str = "auto"  # auto: through sglang-router when there is more than one server in all | true | false
+    router_url: Optional[str] = None  # a router run elsewhere, in front of urls (+ launched servers)
     request_timeout_s: float = 3600.0
     max_retries: int = 3
     backoff_s: float = 0.5
@@ -234,6 +261,7 @@ class SGLangCfg:
     export_shared: bool = True  # export_dir is on a filesystem every node sees (else every node writes its own)
     export_dtype: str = "bfloat16"
     launch: LaunchCfg = field(default_factory=LaunchCfg)
+    router_launch: RouterLaunchCfg = field(default_factory=RouterLaunchCfg)
     colocation: ColocationCfg = field(default_factory=ColocationCfg)
 
 
@@ -541,6 +569,10 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
 
     if o.attention not in ATTENTION_KINDS:
         bad("model.options.attention", f"{o.attention!r}", f"use one of {ATTENTION_KINDS}")
+    if training and o.attention == "cudnn" and o.compute_dtype == "float32":
+        bad("model.options.attention", "cudnn with compute_dtype=float32: cuDNN's flash attention takes only "
+            "bfloat16 / float16 (JAX refuses it when the model is first traced)",
+            "use compute_dtype=bfloat16, or attention=blockwise for fp32")
     if cfg.optim.offload:
         d = cfg.mesh.distributed
         if d.enabled and (d.num_processes or 0) != 1:
@@ -566,6 +598,7 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
             cfg.agent.max_context_tokens > la.context_length:
         bad("agent.max_context_tokens", f"{cfg.agent.max_context_tokens} is longer than the servers' "
             f"rollout.sglang.launch.context_length={la.context_length}", "lower the agent's context or raise the servers'")
+    context_problems(cfg, bad)
     co = cfg.rollout.sglang.colocation
     if co.mode not in ("static", "time_share", "none"):
         bad("rollout.sglang.colocation.mode", f"{co.mode!r}", "use static, time_share or none")
@@ -575,6 +608,20 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
             "use colocation.mode=static for asynchronous runs (python -m jaxrl_term.plan sizes both)")
     if cfg.rollout.sglang.pause_mode not in ("abort", "in_place", "retract"):
         bad("rollout.sglang.pause_mode", f"{cfg.rollout.sglang.pause_mode!r}", "use abort, in_place or retract")
+    from jaxrl_term.rollout.router import ASSIGNMENT_MODES, POLICIES
+
+    sg = cfg.rollout.sglang
+    if str(sg.router).lower() not in ("auto", "true", "false"):
+        bad("rollout.sglang.router", f"{sg.router!r}", "use auto (a router when there are several servers), true or "
+            "false (the client's own per-episode affinity)")
+    if str(sg.router).lower() == "false" and sg.router_url:
+        bad("rollout.sglang.router_url", f"{sg.router_url!r} with rollout.sglang.router=false",
+            "set router to auto or true to use it, or drop router_url")
+    if sg.router_launch.policy not in POLICIES:
+        bad("rollout.sglang.router_launch.policy", f"{sg.router_launch.policy!r}", f"use one of {list(POLICIES)}")
+    if sg.router_launch.assignment_mode not in ASSIGNMENT_MODES:
+        bad("rollout.sglang.router_launch.assignment_mode", f"{sg.router_launch.assignment_mode!r}",
+            f"use one of {list(ASSIGNMENT_MODES)}")
     # -- agent, sandbox, reward, trainer --------------------------------------------------------------
     from jaxrl_term.agent.actions import SCAFFOLDS
 
@@ -701,6 +748,69 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
     return out
 
 
+def context_problems(cfg, bad) -> None:
+    """Contexts past the model's positions: ``max_position_embeddings``, or with YaRN (``model.rope_scaling``, else
+    model.path's config.json) original x factor, the range SGLang's cos/sin cache covers. Checked: the agent's
+    context (which bounds every training row: positions restart per packed segment, so a longer length bucket adds
+    none), the launched servers' ``--context-length``, the servers' stated context, the embedded engine's cache.
+    With SGLang, YaRN keys its rotary embedding ignores are refused (servers and trainer would differ)."""
+    from pathlib import Path
+
+    from jaxrl_term.model.rope import SGLANG_IGNORED_KEYS
+
+    try:
+        arch, _ = model_arch(cfg)
+    except ValueError as e:  # ModelConfigError (model.rope_scaling, model.options), CheckpointError (config.json)
+        msg = str(e)
+        if msg.startswith("model.rope_scaling: "):
+            bad("model.rope_scaling", msg.removeprefix("model.rope_scaling: "))
+        else:
+            bad("model.options" if msg.startswith("model.") else "model.path", msg)
+        return
+    r = cfg.rollout
+    # the positions an episode can reach: the agent's context, cut by the engine's own limit when it is smaller
+    # (the embedded engine's cache, the servers' context); a launched server's --context-length past the model's
+    # range is refused by SGLang itself, whatever the agent uses
+    agent = ("agent.max_context_tokens", int(cfg.agent.max_context_tokens))
+    engine: list[tuple[str, int]] = []
+    if r.engine == "sglang":
+        if r.sglang.launch.enabled and r.sglang.launch.context_length:
+            engine.append(("rollout.sglang.launch.context_length", int(r.sglang.launch.context_length)))
+        if r.sglang.context_length:
+            engine.append(("rollout.sglang.context_length", int(r.sglang.context_length)))
+    elif r.engine == "jax" and r.jax.max_seq_len:
+        engine.append(("rollout.jax.max_seq_len", int(r.jax.max_seq_len)))
+    ctx = [agent] if not engine or agent[1] <= min(v for _, v in engine) else []
+    ctx += [(k, v) for k, v in engine if k == "rollout.sglang.launch.context_length" or v < agent[1]]
+    limit, ys = arch.max_context, arch.rope_scaling
+    over = [(k, int(v)) for k, v in ctx if v and int(v) > limit]
+    if over:
+        need = max(v for _, v in over)
+        names = " and ".join(f"{k}={v}" for k, v in over)
+        verb = "is" if len(over) == 1 else "are"
+        if ys is None:
+            here = cfg.model.path and (Path(str(cfg.model.path)).expanduser() / "config.json").is_file()
+            src = (f"max_position_embeddings of {cfg.model.path}/config.json" if here
+                   else "model.max_position_embeddings")
+            orig = 32768 if limit >= 32768 else limit  # Qwen3's pre-training length (model card)
+            factor = max(1.0, -(-need * 2 // orig) / 2)  # rounded up to a multiple of 0.5
+            bad(over[0][0], f"{names} {verb} past the model's {limit} positions ({src}, no rope_scaling): the "
+                "trainer and the engines would run plain RoPE beyond the trained range",
+                f"extend it on purpose with YaRN, model.rope_scaling={{rope_type:yarn,factor:{factor:.1f},"
+                f"original_max_position_embeddings:{orig}}} ({orig} x {factor:.1f} >= {need}; 32768 is Qwen3's "
+                f"pre-training length), or lower the context to {limit}")
+        else:
+            orig = ys.original_max_position_embeddings
+            bad(over[0][0], f"{names} {verb} past the model's {limit} positions (YaRN: "
+                f"original_max_position_embeddings {orig} x factor {ys.factor:g})",
+                f"raise model.rope_scaling.factor to {-(-need * 2 // orig) / 2:.1f} or more, or lower the context "
+                f"to {limit}")
+    ignored = [k for k in SGLANG_IGNORED_KEYS if ys is not None and getattr(ys, k) is not None]
+    if ignored and r.engine == "sglang":
+        bad("model.rope_scaling", f"YaRN keys {ignored}: SGLang's YaRN rotary embedding does not read them, so the "
+            "servers' RoPE would differ from the trainer's", "remove them (attention factor 0.1 ln(factor) + 1)")
+
+
 def data_problems(data, prefix: str, bad) -> None:
     """Problems of a task source (``data`` or ``eval.data``): a missing source, an unknown split/family/
     difficulty of the built-in tasks, a path that does not exist."""
@@ -766,8 +876,19 @@ def model_arch(cfg):
         from jaxrl_term.model.hf import read_config
 
         _, opts = model_from_cfg(cfg.model)
-        return read_config(Path(cfg.model.path).expanduser()), opts
+        return read_config(Path(cfg.model.path).expanduser(), model_overrides(cfg.model)), opts
     return model_from_cfg(cfg.model)
+
+
+def model_overrides(cfg: ModelCfg) -> dict[str, Any]:
+    """config.json keys the model config group replaces in an HF directory (``read_config`` / ``load_pretrained``
+    ``overrides``; SGLang's ``--json-model-override-args``): ``rope_scaling`` when set."""
+    from omegaconf import OmegaConf
+
+    rs = getattr(cfg, "rope_scaling", None)
+    if rs is None:
+        return {}
+    return {"rope_scaling": OmegaConf.to_container(rs, resolve=True) if OmegaConf.is_config(rs) else dict(rs)}
 
 
 def model_from_cfg(cfg: ModelCfg):
@@ -775,6 +896,7 @@ def model_from_cfg(cfg: ModelCfg):
     from jaxrl_term.model.qwen3 import ModelOptions, Qwen3Config
 
     arch = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Qwen3Config)}
+    arch["rope_scaling"] = model_overrides(cfg).get("rope_scaling")
     opts = ModelOptions(**{f.name: getattr(cfg.options, f.name) for f in dataclasses.fields(ModelOptions)
                            if hasattr(cfg.options, f.name)})
     return Qwen3Config(**arch), opts

@@ -248,17 +248,30 @@ def plan_training(cfg, *, flops: bool = True) -> TrainPlan:
 
 
 def verdict(train: TrainPlan, colo, servers, cfg_host_memory_gb: float = 0.0) -> tuple[bool, list[str]]:
-    """(fits, reasons). Training needs 10% headroom under its budget; every server needs room for its
-    weights and at least one full context of KV cache."""
+    """(fits, reasons). On GPUs: the step within its budget (XLA's cap, or what a released server leaves), and
+    >= 10% of every GPU free in every phase of a step (update, rollout, weight sync), runtime overheads counted;
+    every server with room for its weights and at least one full context of KV cache. On CPU presets: 10%
+    headroom under the host memory."""
     reasons = []
     budget = colo.trainer_budget_gb
-    if train.peak_gb > (1 - HEADROOM) * budget:
-        largest = max(train.terms().items(), key=lambda kv: kv[1])
-        reasons.append(f"training peak {train.peak_gb:.1f} GB > {(1 - HEADROOM) * budget:.1f} GB "
-                       f"(90% of the trainer's {budget:.1f} GB); largest term: {largest[0]} {largest[1]:.1f} GB")
-    if colo.resident_gb is not None and colo.resident_gb > colo.gpu_gb * (1 - HEADROOM / 2):
-        reasons.append(f"between updates the trainer keeps {colo.trainer_resident_gb:.1f} GB next to SGLang's "
-                       f"{colo.sglang_static_gb:.1f} GB: {colo.resident_gb:.1f} GB of {colo.gpu_gb:.0f} GB")
+    largest = max(train.terms().items(), key=lambda kv: kv[1])
+    if colo.mode == "cpu":
+        if train.peak_gb > (1 - HEADROOM) * budget:
+            reasons.append(f"training peak {train.peak_gb:.1f} GB > {(1 - HEADROOM) * budget:.1f} GB (90% of "
+                           f"{budget:.1f} GB); largest term: {largest[0]} {largest[1]:.1f} GB")
+    else:
+        need = train.peak_gb + colo.overheads.xla_runtime_gb
+        if need > budget:
+            reasons.append(f"training peak {train.peak_gb:.1f} GB + XLA runtime {colo.overheads.xla_runtime_gb:.1f} GB "
+                           f"> the trainer's budget {budget:.1f} GB ({colo.describe_trainer()}); largest term: "
+                           f"{largest[0]} {largest[1]:.1f} GB")
+        for ph in colo.phases(train.peak_gb, train.params_gb + train.optimizer_gb):
+            if ph.slack < HEADROOM:
+                big = max(ph.terms.items(), key=lambda kv: kv[1])
+                reasons.append(f"{ph.name}: {ph.total_gb:.1f} of {ph.gpu_gb:.0f} GB per GPU ({ph.slack:.0%} free, "
+                               f"needs >= {HEADROOM:.0%}); largest term: {big[0]} {big[1]:.1f} GB"
+                               + (f" (of which {largest[0]} {largest[1]:.1f} GB)" if big[0] == "train step peak"
+                                  else ""))
     host_mem = cfg_host_memory_gb
     if train.host_gb and host_mem and train.host_gb > (1 - HEADROOM) * host_mem:
         reasons.append(f"the host optimizer needs {train.host_gb:.0f} GB of host memory per node, more than 90% of "
@@ -286,12 +299,14 @@ def run(overrides: list[str], *, flops: bool = True, as_json: str | None = None)
     n = cluster_devices(cfg)
     fake_devices(n)
     train = plan_training(cfg, flops=flops)
-    colo = colocation_plan(cfg, train_peak_gb=train.peak_gb,
-                           train_resident_gb=train.params_gb + train.optimizer_gb)
+    colo = colocation_plan(cfg)
     servers = server_plans(cfg)
     fits, reasons = verdict(train, colo, servers, float(cfg.trainer.cluster.host_memory_gb))
+    phases = colo.phases(train.peak_gb, train.params_gb + train.optimizer_gb)
     out = {"train": dataclasses.asdict(train), "colocation": dataclasses.asdict(colo),
-           "servers": [dataclasses.asdict(s) for s in servers], "fits": fits, "reasons": reasons}
+           "phases": [{"name": p.name, "terms": p.terms, "total_gb": p.total_gb, "slack": p.slack} for p in phases],
+           "servers": [{**dataclasses.asdict(s), "full_contexts": s.full_contexts} for s in servers],
+           "fits": fits, "reasons": reasons}
     report(cfg, train, colo, servers, fits, reasons)
     if as_json:
         Path(as_json).write_text(json.dumps(out, indent=2))
@@ -323,7 +338,7 @@ def report(cfg, train: TrainPlan, colo, servers, fits: bool, reasons: list[str])
     table.add_row("[bold]peak[/bold] (arguments + outputs - donated + temporaries)", f"[bold]{train.peak_gb:.2f}[/bold]")
     table.add_row(f"budget: {colo.describe_trainer()}", f"{colo.trainer_budget_gb:.2f}")
     head = (1 - train.peak_gb / colo.trainer_budget_gb) * 100 if colo.trainer_budget_gb else -100.0
-    table.add_row("headroom", f"{head:.0f}%")
+    table.add_row("headroom under the budget", f"{head:.0f}%")
     con.print(table)
     if train.host_gb:
         con.print(f"optimizer offloaded to the host (optim.offload): {train.host_gb:.0f} GB of host memory per node "
@@ -334,20 +349,38 @@ def report(cfg, train: TrainPlan, colo, servers, fits: bool, reasons: list[str])
                   f"model FLOPs 6NT+attention: {train.model_flops:.3e}")
     else:
         con.print(f"model FLOPs per device per step 6NT+attention: {train.model_flops:.3e}")
+    phases = colo.phases(train.peak_gb, train.params_gb + train.optimizer_gb)
+    if phases:
+        o = colo.overheads
+        con.print(f"runtime overheads per GPU (colocation.*): CUDA context {o.cuda_context_gb:g} GB per process, NCCL "
+                  f"{o.nccl_gb:g} GB per process with collectives, XLA runtime {o.xla_runtime_gb:g} GB, SGLang reserve "
+                  f"{o.sglang_reserve_gb:g} GB" + (f", released server {o.released_residual_gb:g} GB"
+                                                    if colo.mode == "time_share" else ""))
+        pt = Table(title=f"one GPU, each phase of a step ({colo.mode}; >= {HEADROOM:.0%} free needed)")
+        for c in ("phase", "what the GPU holds (GB)", "total GB", "free"):
+            pt.add_column(c, justify="left" if c.startswith(("phase", "what")) else "right")
+        for ph in phases:
+            pt.add_row(ph.name, " + ".join(f"{k} {v:.1f}" for k, v in ph.terms.items()),
+                       f"{ph.total_gb:.1f} / {ph.gpu_gb:.0f}", f"{ph.slack:.0%}")
+        con.print(pt)
     if servers:
         st = Table(title=f"SGLang servers ({colo.mode}; {colo.describe_sglang()})")
-        for c in ("server", "TP", "weights GB/GPU", "KV GB/GPU", "KV tokens", "needed (ctx x conc.)", "full contexts"):
+        for c in ("server", "TP", "weights GB/GPU", "KV GB/GPU", "KV tokens", "context", "full contexts in KV",
+                  "concurrent episodes"):
             st.add_column(c, justify="right")
         for s in servers:
             st.add_row(s.name, str(s.tp_size), f"{s.weights_gb:.1f}", f"{s.kv_gb:.1f}", f"{s.kv_tokens:,}",
-                       f"{s.context:,} x {s.concurrency}", f"{s.kv_tokens // max(s.context, 1)}")
+                       f"{s.context:,}", str(s.full_contexts), str(s.concurrency))
         con.print(st)
         for s in servers:
-            if s.context <= s.kv_tokens < s.context * s.concurrency:
-                con.print(f"note: server {s.name} holds {s.kv_tokens // s.context} of {s.concurrency} concurrent "
-                          "full-length contexts; SGLang queues the rest (radix cache keeps shared prefixes)")
+            if s.context <= s.kv_tokens and s.full_contexts < s.concurrency:
+                con.print(f"note: server {s.name} holds {s.full_contexts} of its {s.concurrency} concurrent episodes at "
+                          "full context; past that SGLang queues new requests and retracts running ones (the radix "
+                          "cache keeps shared prefixes)")
     if fits:
-        con.print(f"[bold green]FITS[/bold green] ({head:.0f}% headroom for training)")
+        worst = min((ph.slack for ph in phases), default=head / 100)
+        con.print(f"[bold green]FITS[/bold green] ({worst:.0%} of the GPU free in the tightest phase; "
+                  f"{head:.0f}% headroom under the step's budget)")
     else:
         con.print("[bold red]DOES NOT FIT[/bold red]")
         for r in reasons:

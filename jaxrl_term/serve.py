@@ -22,8 +22,23 @@ SGLang's rules (as read in the released SGLang source, 0.4.6 to 0.5.23):
   Requests waiting in the queue count as running except while paused (0.5.22+; 0.5.6-0.5.8 ignore them too).
 * ``/health`` and ``/health_generate``: 503 while paused. SGLang's probe is a 1-token generation that blocks on
   a paused server and gives 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s); we answer at once.
-* ``/release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags"}``: 200 with a ``null`` body;
-  400 if requests are running (SGLang >= 0.5.5 asserts idleness and the server dies). No-ops on CPU.
+* Memory saver (``/release_memory_occupation`` / ``/resume_memory_occupation`` ``{"tags"}``, 200 with a ``null``
+  body; the scheduler's ``release_memory_occupation`` / ``resume_memory_occupation`` in
+  ``managers/scheduler_update_weights_mixin.py``, from 0.5.20 ``managers/scheduler_components/weight_updater.py``;
+  ``torch_memory_saver`` ``csrc/core.cpp`` ``pause`` / ``resume``). Per tag, as the scheduler's ``offload_tags``:
+  tags ``None`` or ``[]`` mean all (``kv_cache``, ``weights``, ``cuda_graph``; ``cuda_graph`` from 0.5.5); any
+  string is accepted and tracked. Release adds its tags; with ``--enable-memory-saver`` it unmaps them, and a tag
+  unmapped already exits the scheduler ("Cannot pause allocation that is not active"). Release while requests run:
+  ``AssertionError`` from 0.5.5 (before: the running requests touch freed memory). Resume removes each tag from
+  ``offload_tags`` first: one that is not there raises ``KeyError``. ``/generate`` (and chat) on unmapped memory,
+  and ``/update_weights_from_disk`` on unmapped weights, hit an illegal memory access. ``/health_generate`` while
+  anything is released: 503 up to 0.5.9 (the scheduler skips the probe and nothing answers it), from 0.5.10 a real
+  generation (dies when unmapped). ``/update_weight_version {"new_version", "abort_all_requests"}`` (0.5.2+) sets
+  the version ``/model_info`` reports, nothing else. Nothing exposes ``offload_tags``. Where SGLang's scheduler
+  dies, this server dies as SGLang's does: ``run_scheduler_process`` logs "Scheduler hit an exception" and sends
+  SIGQUIT to its parent, whose handler kills the process tree, itself with SIGKILL (``utils.kill_process_tree``);
+  a client sees the connection drop and nothing answers afterwards. Not emulated: SGLang's resumed memory is
+  uninitialised (the weights are garbage until the next update); here they are kept.
 
 By default the strictest rule of 0.5.x applies where versions differ (a client that passes works with all of
 them); ``--emulate-sglang-version X`` switches to one version's behaviour: no ``/model_info`` before 0.5.6,
@@ -38,6 +53,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -50,7 +66,6 @@ from starlette.routing import Route
 from jaxrl_term.rollout.engine import EngineError, SamplingParams
 
 log = logging.getLogger("jaxrl_term.serve")
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py (cuda_graph from 0.5.5)
 FLUSH_TEXT = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
               "requests, the operation will not be performed.)\n")  # SGLang's text for 200 and 400 alike
 NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
@@ -81,6 +96,25 @@ class Rules:
     @property
     def total_inclusive(self) -> bool:  # input + max_new >= context rejects up to 0.5.10, > from 0.5.12
         return self.version is None or self.version < (0, 5, 12)
+
+    @property
+    def memory_tags(self) -> tuple[str, ...]:  # what tags None or [] mean; cuda_graph from 0.5.5
+        return ("kv_cache", "weights", "cuda_graph") if self._at_least(0, 5, 5) else ("weights", "kv_cache")
+
+    @property
+    def release_idle_assert(self) -> str | None:  # the text of the idleness assertion in release (0.5.5+)
+        if self._at_least(0, 5, 10):
+            return "release_memory_occupation should be called only when server is idle."
+        return "release_memory_occupation should be called only when no ongoing request." if self._at_least(0, 5, 5) \
+            else None
+
+    @property
+    def health_probe_skipped_while_released(self) -> bool:  # <= 0.5.9; from 0.5.10 the probe generates
+        return not self._at_least(0, 5, 10)
+
+    @property
+    def update_weight_version_route(self) -> bool:
+        return self._at_least(0, 5, 2)
 
     @property
     def paused_ignores_waiting(self) -> bool:  # flush idleness ignores the waiting queue while paused
@@ -142,6 +176,60 @@ def finish_reason_json(gen) -> dict:
     return {"type": "abort", "message": "aborted by pause_generation or abort_all_requests"}
 
 
+ILLEGAL_ACCESS = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
+
+
+class SchedulerDeath(Exception):
+    """What kills SGLang's scheduler, and with it the whole server."""
+
+
+@dataclasses.dataclass
+class MemorySaver:
+    """The scheduler's ``offload_tags`` (any strings) and, with ``--enable-memory-saver``, the torch_memory_saver
+    regions that are unmapped (see the module docstring)."""
+
+    rules: Rules
+    enabled: bool
+    offload_tags: set[str] = dataclasses.field(default_factory=set)
+    unmapped: set[str] = dataclasses.field(default_factory=set)
+
+    def release(self, tags: list[str] | None, idle: bool) -> list[str]:
+        text = self.rules.release_idle_assert
+        if not idle and (text or self.enabled):
+            raise SchedulerDeath(f"AssertionError: {text}" if text else f"{ILLEGAL_ACCESS} (requests running on "
+                                 "memory release_memory_occupation freed)")
+        tags = list(tags or self.rules.memory_tags)
+        self.offload_tags.update(tags)
+        for tag in ("kv_cache", "weights", "cuda_graph"):  # the scheduler's order
+            if self.enabled and tag in tags and tag in self.rules.memory_tags:
+                if tag in self.unmapped:
+                    raise SchedulerDeath(f"[torch_memory_saver.cpp] Cannot pause allocation that is not active. "
+                                         f"tag={tag} (release_memory_occupation of a tag released already)")
+                self.unmapped.add(tag)
+        return tags
+
+    def resume(self, tags: list[str] | None) -> None:
+        tags = list(tags or self.rules.memory_tags)
+        for tag in tags:
+            if tag not in self.offload_tags:
+                raise SchedulerDeath(f"KeyError: {tag!r} (resume_memory_occupation: self.offload_tags.remove(tag) "
+                                     f"of a tag that is not released; released: {sorted(self.offload_tags)})")
+            self.offload_tags.remove(tag)
+        self.unmapped.difference_update(tags)
+
+    def check_forward(self, what: str) -> None:
+        if self.unmapped:
+            raise SchedulerDeath(f"{ILLEGAL_ACCESS} ({what} on released memory: {sorted(self.unmapped)})")
+
+
+def die_like_sglang(message: str) -> None:
+    """SGLang's end when its scheduler raises: the log line, then the parent kills the process tree, itself by
+    SIGKILL; every connection drops and nothing answers afterwards."""
+    log.error("Scheduler hit an exception: %s", message)
+    log.error("SIGQUIT received. It usually means one child failed.")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Admission:
     """The tokenizer manager's side of SGLang: the pause gate and the weight-update lock (each request is a
     reader; an update while not paused is the writer, which waits for in-flight requests and holds new ones)."""
@@ -189,7 +277,9 @@ class Admission:
 
 
 def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str = "", *,
-               rules: Rules | None = None, weight_version: str | None = None, flags: dict | None = None) -> Starlette:
+               rules: Rules | None = None, weight_version: str | None = None, flags: dict | None = None,
+               on_death=die_like_sglang) -> Starlette:
+    """``on_death(message)``: what a scheduler death does (default: exit as SGLang's server does)."""
     rules = rules or Rules()
     default_stop: tuple[int, ...] = ()
     if tokenizer is not None:
@@ -202,8 +292,9 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
     pool = engine.cfg.max_batch * engine.cfg.max_seq_len  # SGLang's max_total_num_tokens
     max_req_input_len = min(context - 1, pool - 1) - 5
     # model_path and weight_version as the tokenizer manager knows them (updated only by a successful update)
-    state = {"model_path": model_path, "weight_version": names[engine.weight_version], "released": set()}
+    state = {"model_path": model_path, "weight_version": names[engine.weight_version]}
     adm = Admission()
+    mem = MemorySaver(rules, bool((flags or {}).get("enable_memory_saver")))
 
     def err(msg: str, code: int = 400) -> JSONResponse:
         return JSONResponse({"error": {"message": msg}, "object": "error", "message": msg}, status_code=code)
@@ -217,9 +308,7 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         return (await request.json()) if raw else {}
 
     async def run_one(ids: list[int], sampling: SamplingParams):
-        if state["released"]:
-            # SGLang would touch freed memory here and crash; refuse so a test sees the client's mistake
-            raise ValueError(f"memory is released ({sorted(state['released'])}): call /resume_memory_occupation")
+        mem.check_forward("a forward pass")
         async with adm.request():
             return await engine.generate(ids, sampling)
 
@@ -316,6 +405,8 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
             await asyncio.to_thread(engine.abort_all)
         # not paused: the writer lock waits for in-flight requests; paused: the update goes straight in
         async with (contextlib.nullcontext() if adm.paused else adm.writer()):
+            if "weights" in mem.unmapped:
+                mem.check_forward("update_weights_from_disk: loading weights")
             try:
                 if not Path(path).is_dir():
                     raise EngineError(f"model_path {path!r} is not a directory", retryable=False)
@@ -350,13 +441,17 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         return JSONResponse({}) if await engine.health() else err("engine is not running", 503)
 
     async def health_generate(request: Request):
-        if adm.paused or state["released"]:
-            return err("generation is paused" if adm.paused else "memory is released", 503)
+        if adm.paused:
+            return err("generation is paused", 503)
+        if mem.offload_tags and rules.health_probe_skipped_while_released:
+            return err("memory is released: the scheduler skips the probe", 503)
         try:
             probe = SamplingParams(max_new_tokens=1, temperature=0)
             async with asyncio.timeout(20):
                 await run_one([default_stop[0] if default_stop else 0], probe)
             return JSONResponse({})
+        except SchedulerDeath:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure means "not ready"
             return err(f"generation failed: {e}", 503)
 
@@ -383,30 +478,43 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         engine.slot_cache = [[] for _ in engine.slot_cache]
         return PlainTextResponse(FLUSH_TEXT)
 
-    async def memory_tags(request: Request) -> list[str]:
-        tags = (await body_of(request)).get("tags") or list(MEMORY_TAGS)  # None or []: all
-        bad = [t for t in tags if t not in MEMORY_TAGS]
-        if bad:
-            raise ValueError(f"unknown memory tags {bad}; SGLang knows {list(MEMORY_TAGS)}")
+    async def memory_tags(request: Request) -> list[str] | None:
+        tags = (await body_of(request)).get("tags")  # Optional[List[str]]: any strings, None or [] = all
+        if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+            raise ValueError(f"tags must be a list of strings or null, got {tags!r}")
         return tags
 
     async def release_memory(request: Request):
         try:
             tags = await memory_tags(request)
         except ValueError as e:
-            return err(str(e))
-        if not idle():  # SGLang >= 0.5.5 asserts this and the server dies
-            return err("release_memory_occupation should be called only when server is idle.")
-        state["released"] |= set(tags)
+            return err(str(e), 422)
+        if "kv_cache" in mem.release(tags, idle()):
+            engine.slot_cache = [[] for _ in engine.slot_cache]  # SGLang flushes the prefix cache with the KV
         return JSONResponse(None)
 
     async def resume_memory(request: Request):
         try:
             tags = await memory_tags(request)
         except ValueError as e:
-            return err(str(e))
-        state["released"] -= set(tags)
+            return err(str(e), 422)
+        mem.resume(tags)
         return JSONResponse(None)
+
+    async def update_weight_version(request: Request):
+        body = await body_of(request)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            return err("new_version (a string) is required", 422)
+        if body.get("abort_all_requests", True):
+            await asyncio.to_thread(engine.abort_all)
+        state["weight_version"] = names[engine.weight_version] = version
+        return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
+                             "new_version": version})
+
+    async def scheduler_died(request: Request, exc: SchedulerDeath):
+        on_death(str(exc))  # SGLang's server is gone here; an in-process app answers 500
+        return err(f"scheduler died: {exc}", 500)
 
     async def server_info(request: Request):
         running, waiting = engine.request_counts()
@@ -440,7 +548,9 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
     if rules.model_info_route:
         routes += [Route("/model_info", model_info, methods=["GET"]),
                    Route("/server_info", server_info, methods=["GET"])]
-    return Starlette(routes=routes)
+    if rules.update_weight_version_route:
+        routes.append(Route("/update_weight_version", update_weight_version, methods=["POST"]))
+    return Starlette(routes=routes, exception_handlers={SchedulerDeath: scheduler_died})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -450,7 +560,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--max-batch", "--max-running-requests", dest="max_batch", type=int, default=16)
-    ap.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=4096)
+    ap.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=None,
+                    help="default 4096; above the config's derived length only with SGLang's environment variable")
+    ap.add_argument("--json-model-override-args", default="{}",
+                    help="config.json keys replaced before loading, as SGLang does (e.g. rope_scaling: YaRN)")
     ap.add_argument("--param-dtype", default="float32")
     ap.add_argument("--compute-dtype", default="float32")
     ap.add_argument("--weight-version", default=None, help="initial weight version (SGLang's default: 'default'; "
@@ -463,7 +576,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("--tp-size", "--dp-size", "--mem-fraction-static", "--admin-api-key"):
         ap.add_argument(flag, default=None)
     # --enable-fp32-lm-head: our sampler always takes log-softmax in fp32 (and weights here are fp32);
-    # --enable-memory-saver: nothing to release on CPU, the endpoints still answer as SGLang's do
+    # --enable-memory-saver: nothing is freed on CPU, but released memory counts as unmapped: what SGLang's
+    # scheduler dies of (a second release, a forward pass on it) kills this server too
     for flag in ("--skip-server-warmup", "--enable-memory-saver", "--enable-fp32-lm-head"):
         ap.add_argument(flag, action="store_true")
     args = ap.parse_args(argv)
@@ -478,7 +592,20 @@ def main(argv: list[str] | None = None) -> None:
     from jaxrl_term.model.hf import load_pretrained
     from jaxrl_term.rollout.jax_engine import JaxEngine, JaxEngineConfig
 
-    model = load_pretrained(args.model_dir, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype)
+    import json
+
+    from jaxrl_term.rollout.launcher import ALLOW_LONGER_CONTEXT_ENV, sglang_context_length
+
+    overrides = json.loads(args.json_model_override_args)
+    if args.max_seq_len is not None:  # SGLang's rule (ModelConfig._derive_context_length), its own words
+        derived = sglang_context_length({**json.loads((Path(args.model_dir) / "config.json").read_text()), **overrides})
+        if args.max_seq_len > derived and os.environ.get(ALLOW_LONGER_CONTEXT_ENV, "").lower() not in ("1", "true"):
+            raise ValueError(f"User-specified context_length ({args.max_seq_len}) is greater than the derived "
+                             f"context_length ({derived}). ... To allow overriding this maximum, set the env var "
+                             f"{ALLOW_LONGER_CONTEXT_ENV}=1")
+    args.max_seq_len = args.max_seq_len or 4096
+    model = load_pretrained(args.model_dir, param_dtype=args.param_dtype, compute_dtype=args.compute_dtype,
+                            overrides=overrides)
     tok_dir = args.tokenizer_path or args.model_dir
     tokenizer = None
     if (Path(tok_dir) / "tokenizer.json").is_file():

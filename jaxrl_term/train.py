@@ -23,7 +23,7 @@ from pathlib import Path
 import hydra
 from omegaconf import OmegaConf
 
-from jaxrl_term.config import Config, format_problems, model_from_cfg, preflight, register
+from jaxrl_term.config import Config, format_problems, model_from_cfg, model_overrides, preflight, register
 
 log = logging.getLogger("jaxrl_term.train")
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
@@ -52,7 +52,7 @@ def build_model(cfg: Config, mesh, rules):
     arch, opts = model_from_cfg(cfg.model)
     if cfg.model.path:
         return load_pretrained(cfg.model.path, param_dtype=opts.param_dtype, compute_dtype=opts.compute_dtype,
-                               mesh=mesh, rules=rules, options=opts)
+                               mesh=mesh, rules=rules, options=opts, overrides=model_overrides(cfg.model))
     return create_model(arch, opts, seed=cfg.seed, shard=ShardingCtx(mesh, rules))
 
 
@@ -226,8 +226,8 @@ class Trainer:
 
     async def sync_weights(self, version: int) -> None:
         """New weights to the engine. Servers: every process joins the export (it gathers sharded parameters
-        chunk by chunk); process 0 then tells every server to load it (taking back the memory it released
-        for the update when time-sharing the GPUs)."""
+        chunk by chunk); process 0 then has every server take back what it released for the update (time-sharing
+        the GPUs; only what it released: ``rollout/memory.py``) and load it."""
         if self.cfg.rollout.engine == "jax":
             await self.engine.update_weights(self.state.params, version)
             return
@@ -240,12 +240,11 @@ class Trainer:
                                 tokenizer_dir=self.tok_path, write=write)
         self.channel.barrier(f"export/{version}")
         if self.lead:
-            if s.colocation.mode == "time_share" and s.launch.enabled:
-                await self.engine.resume_memory()
-            await self.engine.update_weights(out, version)
+            await self.cycle.load(out, version)
 
     async def start_engine(self) -> None:
         """The engine on process 0; server URLs from every node's launcher."""
+        from jaxrl_term.rollout.memory import WeightCycle
         from jaxrl_term.rollout.setup import make_jax_engine, make_sglang_engine
 
         t0 = time.monotonic()
@@ -263,7 +262,10 @@ class Trainer:
             # until the first sync
             version = 0 if self.launcher is not None and not self.cfg.rollout.sglang.urls else None
             self.engine = make_sglang_engine(self.cfg, list(self.cfg.rollout.sglang.urls) + urls, version)
-            await self.engine.wait_ready(self.cfg.rollout.sglang.launch.ready_timeout_s)
+            s = self.cfg.rollout.sglang
+            self.cycle = WeightCycle(self.engine, time_share=s.launch.enabled and s.colocation.mode == "time_share")
+            # what a killed trainer left (released, paused) is undone before the first /health_generate
+            await self.cycle.attach(s.launch.ready_timeout_s)
             log.info("rollout engine: %d server(s) ready after %.0fs", len(self.engine.urls)
                      if hasattr(self.engine, "urls") else 0, time.monotonic() - t0)
         self.channel.barrier("engine_ready")
@@ -523,7 +525,8 @@ class Trainer:
             self.metrics.log(self.start_step - 1, {"resume/params_digest": params_digest(self.state.params)})
         self._init_params = None
         await self.start_engine()
-        if self.start_step > 0 and cfg.rollout.engine == "sglang":  # servers start from model.path
+        # launched servers start from model.path; servers given by URL hold what their last client left there
+        if cfg.rollout.engine == "sglang" and (self.start_step > 0 or cfg.rollout.sglang.urls):
             await self.sync_weights(self.start_step)
         pipeline = self.make_pipeline(tasks) if self.lead else None
         if self.lead:
@@ -549,7 +552,7 @@ class Trainer:
                     if hasattr(pipeline.sampler, "state"):  # the curriculum as of this cursor, for the checkpoint
                         meta["curriculum"] = pipeline.sampler.state()
                     if time_share:  # the servers are idle (synchronous run): free their memory for the update
-                        await self.engine.release_memory()
+                        await self.cycle.release()
                 t1 = time.monotonic()
                 arrays, meta = await asyncio.to_thread(ch.broadcast_arrays, f"batch/{step}", arrays, meta)
                 if arrays is None:

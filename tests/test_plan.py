@@ -20,7 +20,8 @@ SMALL = ["+experiment=qwen32b_h100", "model=tiny", "model.random_init=true", "mo
          "trainer.cluster.nodes=2", "trainer.cluster.gpus_per_node=4", "trainer.cluster.gpu_memory_gb=1",
          "mesh.shape={data: 2, fsdp: 4, tensor: 1}", "algo.group_size=4", "trainer.groups_per_step=3",
          "rollout.sglang.colocation.mode=static", "rollout.sglang.colocation.sglang_reserve_gb=0.1",
-         "rollout.sglang.colocation.cuda_context_gb=0.05", "rollout.sglang.launch.mem_fraction_static=0.3",
+         "rollout.sglang.colocation.cuda_context_gb=0.05", "rollout.sglang.colocation.nccl_gb=0.02",
+         "rollout.sglang.colocation.xla_runtime_gb=0.01", "rollout.sglang.launch.mem_fraction_static=0.3",
          "rollout.sglang.launch.context_length=512",
          "rollout.sglang.launch.servers=[{port: 30000, gpus: '0,1', tp_size: 2}, {port: 30001, gpus: '2,3', tp_size: 2}]"]
 
@@ -85,14 +86,23 @@ def test_planner_on_a_cluster_shaped_preset_agrees_with_an_independent_compile(t
     # concurrent episodes; KV per token per GPU = 2 (K, V) x 2 layers x 1 KV head (2 over TP 2) x 16 x 2 bytes
     servers = plan["servers"]
     assert len(servers) == 2 and all(s["concurrency"] == 8 for s in servers)
-    kv = 0.3 - tiny.num_params() * 2 / 2 / 1e9 - 0.05
+    # SGLang sizes its KV pool from what is free after its weights: its CUDA context and (TP 2) NCCL buffers too
+    kv = 0.3 - tiny.num_params() * 2 / 2 / 1e9 - 0.05 - 0.02
     assert all(s["kv_tokens"] == int(kv * 1e9 // 128) for s in servers)
+    assert all(s["full_contexts"] == s["kv_tokens"] // 512 for s in servers)
     assert "SGLang servers" in text and ("FITS" in text or "DOES NOT FIT" in text)
+    # every phase of a step, each term printed and summed
+    assert [p["name"] for p in plan["phases"]] == ["update", "rollout", "weight sync"]
+    for p in plan["phases"]:
+        assert p["total_gb"] == pytest.approx(sum(p["terms"].values()))
+        assert p["name"] in text
+    assert "full contexts in KV" in text and "concurrent episodes" in text and "runtime overheads" in text
 
 
 def test_planner_names_the_largest_term_when_the_step_does_not_fit(tmp_path):
     proc, plan = _plan([*SMALL, "trainer.cluster.gpu_memory_gb=0.02", "rollout.sglang.colocation.sglang_reserve_gb=0",
-                        "rollout.sglang.colocation.cuda_context_gb=0", "--no-flops"], tmp_path)
+                        "rollout.sglang.colocation.cuda_context_gb=0", "rollout.sglang.colocation.nccl_gb=0",
+                        "rollout.sglang.colocation.xla_runtime_gb=0", "--no-flops"], tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "DOES NOT FIT" in proc.stdout and "largest term" in proc.stdout
     assert not plan["fits"] and plan["reasons"]
@@ -102,3 +112,46 @@ def test_planner_refuses_a_bad_config_before_compiling(tmp_path):
     proc, _ = _plan(["+experiment=qwen3_8b_a100x2", "model.options.param_dtype=bfloat16", "--no-flops"], tmp_path)
     assert proc.returncode != 0
     assert "model.options.param_dtype" in proc.stdout + proc.stderr and "fp32 master" in proc.stdout + proc.stderr
+
+
+def _colocation(overrides):
+    from jaxrl_term.plan import compose
+    from jaxrl_term.rollout.colocation import colocation_plan
+
+    return colocation_plan(compose(overrides))
+
+
+def test_every_phase_counts_the_runtime_overheads_no_compile_shows():
+    # qwen32b_h100: time_share, TP-4 servers at mem_fraction_static 0.5 of 80 GB, 32 trainer devices
+    colo = _colocation(["+experiment=qwen32b_h100"])
+    update, rollout, sync = colo.phases(peak_gb=40.0, resident_gb=12.0)
+    trainer = 1.0 + 1.0 + 1.0  # CUDA context, NCCL (32 devices), XLA runtime
+    assert update.total_gb == pytest.approx(3.0 + 40.0 + trainer)  # a released server keeps 3 GB
+    serving = 40.0 + 6.0 + 1.0 + 1.0  # static + reserve + CUDA context + NCCL (TP 4)
+    assert rollout.total_gb == pytest.approx(serving + 12.0 + trainer)  # platform allocator: temporaries returned
+    assert sync.total_gb == pytest.approx(serving + 12.0 + 2 * 512 * 1024**2 / 1e9 + trainer)
+    assert colo.trainer_budget_gb == pytest.approx(80 - 3.0 - 2.0)
+
+
+def test_static_colocation_caps_xla_at_what_the_servers_leave_without_preallocating_it():
+    colo = _colocation(["+experiment=tmax_qwen3_8b"])
+    serving = 0.3 * 80 + 6.0 + 1.0 + 1.0
+    assert colo.xla_mem_fraction == pytest.approx((80 - serving - 2.0) / 80)
+    env = colo.trainer_env()
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # else the device holds the whole cap, not the peak
+    update, rollout, _ = colo.phases(peak_gb=30.0, resident_gb=6.0)
+    assert rollout.total_gb == update.total_gb  # the BFC allocator keeps its peak between updates
+
+
+def test_planner_refuses_a_phase_with_less_than_ten_percent_free_even_when_the_step_fits():
+    from jaxrl_term.plan import TrainPlan, verdict
+
+    colo = _colocation(["+experiment=qwen32b_h100", "rollout.sglang.launch.mem_fraction_static=0.7"])
+    train = TrainPlan(devices=32, mesh={}, batch=(1, 32, 32768), rows=32, attention="blockwise", params_gb=4.1,
+                      optimizer_gb=8.2, grad_accumulator_gb=0.0, microbatch_grads_gb=4.1, temporaries_gb=20.0,
+                      peak_gb=30.0, flops=None, model_flops=1.0, compile_s=0.0)
+    fits, reasons = verdict(train, colo, [])
+    assert not fits  # rollout: 56 + 6 + 1 + 1 serving + 12.3 state + 3 = 79.3 of 80 GB
+    assert any(r.startswith("rollout:") and "needs >= 10%" in r for r in reasons), reasons
+    assert not any(r.startswith("update:") for r in reasons)
+

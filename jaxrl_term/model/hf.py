@@ -26,6 +26,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,9 @@ def tensor_maps(cfg: Qwen3Config) -> list[TensorMap]:
     return maps
 
 
-def read_config(model_dir: str | os.PathLike) -> Qwen3Config:
+def read_config(model_dir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> Qwen3Config:
+    """``config.json`` of an HF directory; ``overrides`` replace its top-level keys first, as SGLang's
+    ``--json-model-override-args`` does (e.g. ``{"rope_scaling": {...}}``: YaRN for a model saved without it)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: not found; a model directory needs an HF config.json")
@@ -114,8 +117,9 @@ def read_config(model_dir: str | os.PathLike) -> Qwen3Config:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from e
+    source = str(path) + (f" (with overrides {sorted(overrides)})" if overrides else "")
     try:
-        return Qwen3Config.from_hf(raw, source=str(path))
+        return Qwen3Config.from_hf({**raw, **(overrides or {})}, source=source)
     except ModelConfigError as e:
         raise CheckpointError(str(e)) from e
 
@@ -184,13 +188,15 @@ def load_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     rules: Mapping | LogicalRules | None = None,
     options: ModelOptions | None = None,
+    overrides: Mapping[str, Any] | None = None,
 ) -> Qwen3:
-    """Load an HF Qwen3 directory into our model; ``mesh`` places each parameter with its sharding.
+    """Load an HF Qwen3 directory into our model; ``mesh`` places each parameter with its sharding;
+    ``overrides``: config.json keys replaced (``read_config``).
 
     Returns a model callable as ``model(input_ids [B,T] int32, attention_mask [B,T]) -> logits [B,T,V]``.
     """
     model_dir = Path(model_dir)
-    cfg = read_config(model_dir)
+    cfg = read_config(model_dir, overrides)
     opts = options or ModelOptions()
     opts = dataclasses.replace(opts, param_dtype=param_dtype, compute_dtype=compute_dtype)
     if rules is not None and not isinstance(rules, LogicalRules):

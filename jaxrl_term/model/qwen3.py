@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_term.model.rope import RopeScaling, apply_rope, rope_tables  # noqa: F401 (re-exported)
 from jaxrl_term.parallel.mesh import ShardingCtx
 
 ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -44,6 +45,8 @@ class Qwen3Config:
     rope_theta: float = 1_000_000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
+    # YaRN beyond the pre-training length (model/rope.py); an HF-style dict is accepted and parsed
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:
@@ -51,6 +54,17 @@ class Qwen3Config:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            try:
+                parsed = RopeScaling.from_hf(self.rope_scaling, max_position_embeddings=self.max_position_embeddings)
+            except ValueError as e:
+                raise ModelConfigError(f"model.rope_scaling: {e}; or model.rope_scaling=null (plain RoPE)") from e
+            object.__setattr__(self, "rope_scaling", parsed)
+
+    @property
+    def max_context(self) -> int:
+        """Positions the model is meant to see: max_position_embeddings, or original x factor with YaRN."""
+        return self.rope_scaling.max_context if self.rope_scaling else self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any], source: str = "config.json") -> Qwen3Config:
@@ -68,15 +82,18 @@ class Qwen3Config:
             raise ModelConfigError(f"{source}: attention_bias=true is not supported (Qwen3 has no attention bias)")
         if d.get("use_sliding_window", False):
             raise ModelConfigError(f"{source}: use_sliding_window=true is not supported; set it to false")
+        # transformers v5 reads `rope_scaling or rope_parameters` (the v4 name wins when set); v4 reads rope_scaling
         rope = d.get("rope_parameters") or {}
-        scaling = d.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", d.get("rope_theta", 10_000.0))
-        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
+        scaling = d.get("rope_scaling") or rope
+        theta = rope.get("rope_theta", d.get("rope_theta", scaling.get("rope_theta", 10_000.0)))
+        mpe = int(d.get("max_position_embeddings", 40960))
+        try:
+            yarn = RopeScaling.from_hf(scaling, max_position_embeddings=mpe)
+        except ValueError as e:
             raise ModelConfigError(
-                f"{source}: rope_type {rope_type!r} is not supported (only 'default' RoPE); "
-                "remove rope_scaling / rope_parameters.rope_type to train at the native context length"
-            )
+                f"{source}: rope_scaling / rope_parameters: {e}; or remove the scaling to train at the native "
+                f"context length ({mpe})"
+            ) from e
         missing = [
             k
             for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -96,14 +113,18 @@ class Qwen3Config:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            max_position_embeddings=mpe,
+            rope_scaling=yarn,
         )
 
     def to_hf(self, dtype: str = "bfloat16", *, bos_token_id: int | None = None,
               eos_token_id: int | None = None) -> dict[str, Any]:
         """An HF ``config.json`` dict that transformers (v4 and v5) and SGLang read. Special-token ids: the ones
         given (from the tokenizer saved alongside), else Qwen's (151643 / 151645) when the vocabulary holds them;
-        an id outside the vocabulary is never written (it would be a dangling id for a small vocabulary)."""
+        an id outside the vocabulary is never written (it would be a dangling id for a small vocabulary).
+        With YaRN, ``rope_scaling`` (v4, SGLang) and ``rope_parameters`` (v5) both carry it and
+        max_position_embeddings is written as original x factor: transformers 4.51.3 takes that ratio as the
+        factor, v5 warns when they differ, SGLang derives its context length from it."""
         if bos_token_id is None and eos_token_id is None and self.vocab_size > 151645:
             bos_token_id, eos_token_id = 151643, 151645
         ids = {k: v for k, v in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id))
@@ -121,10 +142,11 @@ class Qwen3Config:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling else None,
+            "rope_parameters": {**(self.rope_scaling.to_hf() if self.rope_scaling else {"rope_type": "default"}),
+                                "rope_theta": self.rope_theta},
             "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
+            "max_position_embeddings": self.max_context,
             "attention_bias": False,
             "attention_dropout": 0.0,
             "use_sliding_window": False,
@@ -218,21 +240,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * xf.astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin: [B, T, head_dim] for integer ``positions`` [B, T] (fp32 angles, cast to ``dtype``)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [B, T, N, D]; cos/sin: [B, T, D]. Rotate-half convention (HF)."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
 def make_attention_mask(attention_mask: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -640,7 +647,7 @@ def forward_cached_layers(
     attn_len = attn_len or (k_cache[0] if per_layer else k_cache).shape[-1]
     positions = write_pos[:, None] + jnp.arange(t)[None, :]
     x = jnp.take(embed, input_ids, axis=0).astype(opts.cdtype)
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype, cfg.rope_scaling)
 
     def layer(x, kc, vc, p, i):
         return decoder_layer_cached(x, p, cos, sin, kc, vc, i, rows, write_pos, write_ok, attn_len, cfg, opts,
@@ -774,7 +781,7 @@ class Qwen3(nnx.Module):
         attn = attention_inputs(attention_mask, segment_ids, opts.attention)
         x = embed_lookup(self.embed_tokens[...], input_ids, self.shard).astype(opts.cdtype)
         x = self.shard.constrain(x, ACT)
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, opts.cdtype, cfg.rope_scaling)
 
         ctx = (cos, sin, attn)
 

@@ -6,6 +6,13 @@ trainer's log-probs are temperature-scaled over the full vocabulary, SGLang's de
 (``RETURN_ORIGINAL_LOGPROB`` in 0.5.2-0.5.3) is unset. Flags follow SGLang's ``server_args.py``:
 ``--enable-fp32-lm-head`` and ``--enable-deterministic-inference`` (>= 0.5.3), ``--weight-version`` (>= 0.5.1),
 ``--enable-memory-saver``.
+
+Context past the model's trained range, only on purpose: with ``rope_scaling`` (YaRN) the servers get
+``--json-model-override-args '{"rope_scaling": {...}, "rope_parameters": {...}}'`` unless the model's config.json
+already has that scaling (SGLang's ``get_config`` applies it with ``config.update``), and
+``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1`` exactly when ``--context-length`` exceeds the length SGLang derives
+from the config (``sglang_context_length``), which it otherwise refuses (``ModelConfig._derive_context_length``). A
+context beyond the scaled range is refused here.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -21,8 +29,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -31,6 +40,30 @@ from jaxrl_term.rollout.engine import EngineError
 log = logging.getLogger(__name__)
 # the log-prob semantics the trainer needs: SGLang's default, which these variables turn off
 LOGPROB_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "RETURN_ORIGINAL_LOGPROB")
+# SGLang refuses --context-length above the derived length unless this is set (srt/configs/model_config.py)
+ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+# srt/utils/hf_transformers_utils.py CONTEXT_LENGTH_KEYS: the first one present wins
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def sglang_context_length(hf_config: Mapping[str, Any]) -> int:
+    """The context length SGLang derives from an HF config dict (``get_context_length``): the first of
+    ``CONTEXT_LENGTH_KEYS`` (2048 if none), times ``rope_scaling.factor`` only when the scaling has no
+    ``original_max_position_embeddings`` and is not llama3. Under transformers v5 SGLang's ``config.rope_scaling``
+    is the standardised ``rope_parameters``, which always carries ``original_max_position_embeddings`` for YaRN,
+    so the factor never applies; the smaller of the two readings is returned."""
+    base = next((int(hf_config[k]) for k in CONTEXT_LENGTH_KEYS if hf_config.get(k) is not None), 2048)
+
+    def factor(rs) -> float:
+        if not rs or "original_max_position_embeddings" in rs or rs.get("rope_type") == "llama3":
+            return 1.0
+        return float(rs.get("factor", 1))
+
+    v4 = factor(hf_config.get("rope_scaling"))
+    v5_rs = hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {}
+    v5 = 1.0 if (v5_rs.get("rope_type") or v5_rs.get("type")) in ("yarn", "llama3", "longrope") else factor(v5_rs)
+    return int(min(v4, v5) * base)
 
 @dataclasses.dataclass
 class ServerSpec:
@@ -99,11 +132,13 @@ class SGLangLauncher:
                  module: str = "sglang.launch_server", host: str = "0.0.0.0", advertise_host: str | None = None,
                  mem_fraction_static: float = 0.7, context_length: int | None = None, fp32_lm_head: bool = False,
                  memory_saver: bool = False, deterministic: bool = False, weight_version: str | int | None = None,
-                 extra_args: Sequence[str] = (), log_dir: str = "runs/sglang"):
+                 extra_args: Sequence[str] = (), log_dir: str = "runs/sglang",
+                 rope_scaling: Mapping[str, Any] | None = None):
         self.model_path, self.servers, self.python, self.module = model_path, list(servers), python, module
         self.host, self.mem, self.ctx, self.extra = host, mem_fraction_static, context_length, list(extra_args)
         self.fp32_lm_head, self.memory_saver, self.deterministic = fp32_lm_head, memory_saver, deterministic
         self.weight_version = weight_version
+        self.rope_scaling = dict(rope_scaling) if rope_scaling is not None else None
         self._advertise = advertise_host
         self.log_dir = Path(log_dir)
         self.procs: list[subprocess.Popen] = []
@@ -138,7 +173,60 @@ class SGLangLauncher:
             cmd.append("--enable-deterministic-inference")
         if self.weight_version is not None:
             cmd += ["--weight-version", str(self.weight_version)]
+        overrides = self.model_overrides()
+        if overrides:
+            if "--json-model-override-args" in self.extra:
+                raise ValueError("rollout.sglang.launch.extra_args has --json-model-override-args and "
+                                 "model.rope_scaling needs its own; put the scaling in model.rope_scaling only")
+            cmd += ["--json-model-override-args", json.dumps(overrides, separators=(",", ":"))]
         return cmd + self.extra
+
+    def _model_config(self) -> dict[str, Any] | None:
+        path = Path(os.path.expanduser(self.model_path)) / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def model_overrides(self) -> dict[str, Any]:
+        """``--json-model-override-args``: the scaling under both names, ``{"rope_scaling": S, "rope_parameters":
+        S}`` with ``S`` = ``rope_scaling`` + the model's rope_theta, when ``rope_scaling`` is given and config.json does
+        not already mean the same under both; else {}. Both, because SGLang's Qwen3 layer reads ``rope_parameters``
+        whenever it holds rope_theta (a transformers v4 config keeps that key from a v5-style config.json) and
+        ``rope_scaling`` otherwise; theta rides along because under v5 the assignment replaces ``rope_parameters``."""
+        if self.rope_scaling is None:
+            return {}
+        from jaxrl_term.model.rope import RopeScaling
+
+        raw = self._model_config()
+        if raw is None:
+            raise ValueError(f"rope_scaling for the SGLang servers needs {self.model_path}/config.json here, to "
+                             "compare its scaling and read rope_theta; give a local model directory")
+        mpe = int(raw.get("max_position_embeddings", 40960))
+        rope, legacy = raw.get("rope_parameters") or {}, raw.get("rope_scaling")
+        want = RopeScaling.from_hf(self.rope_scaling, max_position_embeddings=mpe)
+        readings = (legacy or rope, rope if "rope_theta" in rope else legacy)  # transformers v5's, SGLang's Qwen3's
+        if all(want == RopeScaling.from_hf(r, max_position_embeddings=mpe) for r in readings):
+            return {}
+        theta = rope.get("rope_theta", raw.get("rope_theta", 10_000.0))
+        scaling = {**(want.to_hf() if want else {"rope_type": "default"}), "rope_theta": theta}
+        return {"rope_scaling": scaling, "rope_parameters": dict(scaling)}
+
+    def needs_longer_context(self) -> bool:
+        """Whether SGLang would refuse ``--context-length`` without ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``
+        (above what it derives from config.json and the overrides). Raises when the context is past the model's
+        own range, plain or YaRN-scaled: that is never set on purpose."""
+        raw = self._model_config()
+        if not self.ctx or raw is None:
+            return False
+        from jaxrl_term.model.rope import RopeScaling
+
+        cfg = {**raw, **self.model_overrides()}
+        mpe = int(cfg.get("max_position_embeddings", 40960))
+        yarn = RopeScaling.from_hf(cfg.get("rope_scaling") or cfg.get("rope_parameters"), max_position_embeddings=mpe)
+        limit = yarn.max_context if yarn else mpe
+        if self.ctx > limit:
+            raise ValueError(f"--context-length {self.ctx} is past the model's {limit} positions "
+                             f"({'YaRN: original x factor' if yarn else 'max_position_embeddings, no rope_scaling'}); "
+                             "set model.rope_scaling (YaRN) to cover it, or lower the context length")
+        return self.ctx > sglang_context_length(cfg)
 
     def env(self, s: ServerSpec) -> dict[str, str]:
         """The server's environment: ours, without the variables that change log-prob semantics."""
@@ -148,6 +236,8 @@ class SGLangLauncher:
             log.warning("not passing %s to SGLang: the trainer needs temperature-scaled log-probs", dropped)
         if s.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = s.gpus
+        if self.needs_longer_context():
+            env[ALLOW_LONGER_CONTEXT_ENV] = "1"
         return env
 
     def start(self) -> list[str]:

@@ -1,10 +1,16 @@
 """SGLang as the rollout engine: an exact token-in/token-out client and weight sync.
 
 Every request sets ``input_ids``, ``return_logprob``, ``stop_token_ids`` and ``max_new_tokens``; token ids and
-log-probs come from ``meta_info.output_token_logprobs`` (never from text). ``finish_reason`` is mapped. Several
-servers: each episode (``session``) sticks to one server for prefix-cache reuse, new sessions go to the least
-loaded; or one SGLang router URL with the routing key header. Connection errors and 5xx are retried with
-backoff (a dead server is avoided for a while); 4xx are not.
+log-probs come from ``meta_info.output_token_logprobs`` (never from text). ``finish_reason`` is mapped.
+
+Routing. With ``router`` (an ``sglang-router`` URL, or a launched ``rollout.router.SGLangRouter`` that the
+engine then owns and stops), every single ``/generate`` goes to the router with the episode id (``session``) in
+``X-SMG-Routing-Key``: its ``manual`` policy keeps an episode's turns on one server (its prefix cache) and routes
+around dead ones; everything the router does not forward to every worker (weight sync, pause/continue, flush,
+memory release/resume, ``/get_server_info`` limits, batched ``/generate``) goes to the worker ``urls`` directly.
+Without a router the client does the same itself: each session sticks to one server, new sessions go to the
+least loaded. Connection errors and 5xx are retried with backoff (a dead server is avoided for a while); 4xx
+are not.
 
 Context length. SGLang rejects (HTTP 400) an input of ``>= context`` tokens, ``input + max_new_tokens >=
 context`` (<= 0.5.10; ``>`` from 0.5.12) and, in the scheduler, an input of ``>= max_req_input_len`` tokens
@@ -41,7 +47,9 @@ Before 0.5.6 there are no modes (every pause aborts) and every update flushes: u
 
 Memory saver (``release_memory`` / ``resume_memory``, servers started with ``--enable-memory-saver``): SGLang
 frees the tagged GPU memory (``weights``, ``kv_cache``, ``cuda_graph`` from 0.5.5) and asserts it is idle
-(>= 0.5.5: the server dies if requests are running), so call them between rollouts only.
+(>= 0.5.5: the server dies if requests are running), so call them between rollouts only. Its scheduler also dies
+on a resume of a tag it does not hold and on a second release; what each server has released is kept in its own
+``weight_version`` so that restarts of either side cannot get this wrong (``rollout/memory.py``).
 
 The launcher (``rollout/launcher.py``) starts servers with the flags and environment these rules need.
 """
@@ -50,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -59,6 +68,8 @@ from typing import Any
 import httpx
 
 from jaxrl_term.rollout.engine import EngineError, Generation, SamplingParams, TroubleLog
+from jaxrl_term.rollout.memory import ServerMemory, each_server
+from jaxrl_term.rollout.router import SGLangRouter, wait_router_ready
 
 log = logging.getLogger(__name__)
 ROUTING_HEADER = "X-SMG-Routing-Key"
@@ -154,7 +165,7 @@ class SGLangEngine(TroubleLog):
         self,
         urls: Sequence[str],
         *,
-        router: bool = False,
+        router: str | SGLangRouter | None = None,
         request_timeout_s: float = 3600.0,
         connect_timeout_s: float = 10.0,
         max_retries: int = 3,
@@ -172,8 +183,10 @@ class SGLangEngine(TroubleLog):
             raise ValueError("rollout.sglang.urls: give at least one server URL")
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"rollout.sglang.pause_mode={pause_mode!r}; use one of {PAUSE_MODES}")
-        self.urls = [u.rstrip("/") for u in urls]
-        self.router, self.max_retries, self.backoff_s = router, max_retries, backoff_s
+        self.urls = [u.rstrip("/") for u in urls]  # the workers: sync, pause, memory and limits reach each one
+        self._router_proc = router if isinstance(router, SGLangRouter) else None  # launched for us: we stop it
+        self.router = (router.url if isinstance(router, SGLangRouter) else router.rstrip("/")) if router else None
+        self.max_retries, self.backoff_s = max_retries, backoff_s
         self.down_cooldown_s, self.pause_mode = down_cooldown_s, pause_mode
         self.abort_retries, self.idle_timeout_s = abort_retries, idle_timeout_s
         self.weight_version = weight_version  # the version every server had when this engine last updated them
@@ -190,6 +203,7 @@ class SGLangEngine(TroubleLog):
         self._limits: list[ServerLimits | None] = [given] * len(self.urls)
         self._limit_locks = [asyncio.Lock() for _ in self.urls]
         self._info_path: list[str | None] = [None] * len(self.urls)  # /model_info, or /get_model_info (< 0.5.6)
+        self._common_limits: ServerLimits | None = None  # through the router: the tightest of every worker's
         self.aborts_retried = 0
 
     # -- routing ----------------------------------------------------------------------------------
@@ -204,23 +218,30 @@ class SGLangEngine(TroubleLog):
         return i
 
     async def _post(self, path: str, body: dict, *, session: str | None = None, server: int | None = None):
+        """POST to worker ``server``; else to the router (with the session's routing key) when there is one,
+        else to the session's server."""
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
-            i = server if server is not None else self._pick(session)
-            headers = {ROUTING_HEADER: session} if (self.router and session) else None
-            self._inflight[i] += 1
+            routed = server is None and self.router is not None
+            i = None if routed else server if server is not None else self._pick(session)
+            url = self.router if routed else self.urls[i]
+            headers = {ROUTING_HEADER: session} if (routed and session) else None
+            if i is not None:
+                self._inflight[i] += 1
             try:
-                r = await self.client.post(self.urls[i] + path, json=body, headers=headers)
+                r = await self.client.post(url + path, json=body, headers=headers)
             except RETRYABLE as e:
                 last = e
-                self._down_until[i] = time.monotonic() + self.down_cooldown_s
+                if i is not None:
+                    self._down_until[i] = time.monotonic() + self.down_cooldown_s
             else:
                 if r.status_code < 500:
                     return r
-                last = EngineError(f"{self.urls[i]}{path}: HTTP {r.status_code}: {r.text[:300]}")
+                last = EngineError(f"{url}{path}: HTTP {r.status_code}: {r.text[:300]}")
             finally:
-                self._inflight[i] -= 1
-            self.note_trouble(session, f"{self.urls[i]}{path}: {type(last).__name__}: {last}")
+                if i is not None:
+                    self._inflight[i] -= 1
+            self.note_trouble(session, f"{url}{path}: {type(last).__name__}: {last}")
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise EngineError(f"{path} failed after {self.max_retries + 1} attempts: {type(last).__name__}: {last}",
@@ -259,6 +280,22 @@ class SGLangEngine(TroubleLog):
                     self._limits[server] = await self._learn_limits(server)
         return self._limits[server]
 
+    async def _route_limits(self, session: str | None) -> ServerLimits:
+        """The limits a request must fit: its server's, or through the router (which picks the server) the
+        tightest of every worker's (of those that answer: the router routes around the others)."""
+        if self.router is None:
+            return await self.limits(self._pick(session))
+        if self._common_limits is not None:
+            return self._common_limits
+        every = await asyncio.gather(*(self.limits(i) for i in range(len(self.urls))), return_exceptions=True)
+        known = [x for x in every if isinstance(x, ServerLimits)]
+        if not known:
+            raise next(x for x in every if isinstance(x, BaseException))
+        lim = ServerLimits(min(x.context_length for x in known), min(x.max_req_input_len for x in known))
+        if len(known) == len(every):
+            self._common_limits = lim
+        return lim
+
     async def _learn_limits(self, server: int) -> ServerLimits:
         info = await self._get_json(server, "/get_server_info", "/server_info")
         ctx, max_input = info.get("context_length"), info.get("max_req_input_len")
@@ -283,8 +320,7 @@ class SGLangEngine(TroubleLog):
         last = ""
         self.clear_trouble(session)
         for _ in range(self.abort_retries + 1):
-            i = self._pick(session)
-            max_new = (await self.limits(i)).max_new_tokens(len(ids), sampling.max_new_tokens)
+            max_new = (await self._route_limits(session)).max_new_tokens(len(ids), sampling.max_new_tokens)
             if max_new < 1:  # no room: finish "length" with nothing generated, as if the context had filled up
                 return Generation([], [], "length", None, None, len(ids), None)
             body = request_body(ids, sampling.replace(max_new_tokens=max_new), uuid.uuid4().hex)
@@ -305,14 +341,16 @@ class SGLangEngine(TroubleLog):
             last = str(fr.get("message", ""))
             self.aborts_retried += 1
             self.note_trouble(session, f"request aborted by the server ({last})")
-            log.info("%s: request aborted (%s); sending it again", self.urls[i], last)
+            log.info("%s: request aborted (%s); sending it again", self.router or self.urls[self._pick(session)], last)
         raise EngineError(f"request aborted by the server {self.abort_retries + 1} times (last: {last})",
                           retryable=True)
 
     async def generate_batch(self, batch: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         """One batched request (a list of prompts); the response is a list in the same order. Prompts with no
-        room left get an empty ``length`` generation; an abort raises (no per-prompt retry)."""
-        lim = await self.limits(self._pick(None))
+        room left get an empty ``length`` generation; an abort raises (no per-prompt retry). Sent to one worker,
+        never through the router (it refuses a list of sampling params)."""
+        server = self._pick(None)
+        lim = await self.limits(server)
         ids = [[int(x) for x in p] for p in batch]
         room = [lim.max_new_tokens(len(p), sampling.max_new_tokens) for p in ids]
         send = [k for k, n in enumerate(room) if n >= 1]
@@ -321,7 +359,7 @@ class SGLangEngine(TroubleLog):
         if send:
             body = request_body([ids[k] for k in send], sampling)
             body["sampling_params"] = [dict(body["sampling_params"], max_new_tokens=room[k]) for k in send]
-            r = await self._post("/generate", body)
+            r = await self._post("/generate", body, server=server)
             if r.status_code >= 400:
                 raise EngineError(f"/generate: HTTP {r.status_code}: {r.text[:500]}", retryable=False)
             res = r.json()
@@ -408,32 +446,44 @@ class SGLangEngine(TroubleLog):
                                   f"HTTP {r.status_code}", retryable=False)
             await asyncio.sleep(0.1)
 
+    @functools.cached_property
+    def memory(self) -> ServerMemory:
+        """What each server has released, kept in the server itself (``rollout/memory.py``)."""
+        return ServerMemory(self)
+
     async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Free the servers' GPU memory (``--enable-memory-saver``); only while no request is in flight."""
-        await self._memory("/release_memory_occupation", tags)
+        """Free the servers' GPU memory (``--enable-memory-saver``); only while no request is in flight. A tag
+        a server has released already is not released again (SGLang's scheduler would die)."""
+        self._check_tags(tags)
+        await each_server(self, "/release_memory_occupation",
+                          (self.memory.release(i, list(tags)) for i in range(len(self.urls))))
 
-    async def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        await self._memory("/resume_memory_occupation", tags)
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what each server has released (of ``tags``, default all), and nothing else: a restarted
+        server has nothing released (SGLang's scheduler dies on resuming a tag it does not hold). The weights
+        are undefined afterwards: load new ones (``update_weights``)."""
+        if tags is not None:
+            self._check_tags(tags)
+        await each_server(self, "/resume_memory_occupation",
+                          (self.memory.resume(i, None if tags is None else list(tags)) for i in range(len(self.urls))))
 
-    async def _memory(self, path: str, tags: Sequence[str]) -> None:
+    @staticmethod
+    def _check_tags(tags: Sequence[str]) -> None:
         bad = [t for t in tags if t not in MEMORY_TAGS]
         if bad:
             raise ValueError(f"memory tags {bad}; SGLang knows {list(MEMORY_TAGS)}")
-        results = await asyncio.gather(*(self._call(i, path, {"tags": list(tags)}) for i in range(len(self.urls))),
-                                       return_exceptions=True)
-        errors = [f"{url}: {e}" for url, e in zip(self.urls, results) if isinstance(e, Exception)]
-        if errors:
-            raise EngineError(f"{path} failed on {len(errors)} server(s): {'; '.join(errors)}", retryable=False)
 
     async def health(self) -> bool:
         try:
-            rs = await asyncio.gather(*(self.client.get(u + "/health", timeout=10) for u in self.urls))
+            probes = [u + "/health" for u in self.urls] + ([self.router + "/readiness"] if self.router else [])
+            rs = await asyncio.gather(*(self.client.get(u, timeout=10) for u in probes))
         except httpx.HTTPError:
             return False
         return all(r.status_code == 200 for r in rs)
 
     async def wait_ready(self, deadline_s: float = 600.0, path: str = "/health_generate") -> None:
-        """Wait until every server answers ``path`` with 200, or raise with the ones that did not."""
+        """Wait until every server answers ``path`` with 200 and the router (if any) reports them all healthy,
+        or raise with the ones that did not."""
         t_end = time.monotonic() + deadline_s
         pending = set(self.urls)
         while pending:
@@ -447,9 +497,14 @@ class SGLangEngine(TroubleLog):
                 if time.monotonic() > t_end:
                     raise EngineError(f"servers not ready after {deadline_s:.0f}s: {sorted(pending)}")
                 await asyncio.sleep(0.5)
+        if self.router is not None:
+            await wait_router_ready(self.router, len(self.urls), max(1.0, t_end - time.monotonic()),
+                                    proc=self._router_proc)
 
     async def aclose(self) -> None:
         await self.client.aclose()
+        if self._router_proc is not None:
+            await asyncio.to_thread(self._router_proc.stop)
 
 
 # the launcher moved to rollout/launcher.py; kept importable from here
