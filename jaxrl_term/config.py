@@ -614,6 +614,10 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
     if str(sg.router).lower() not in ("auto", "true", "false"):
         bad("rollout.sglang.router", f"{sg.router!r}", "use auto (a router when there are several servers), true or "
             "false (the client's own per-episode affinity)")
+    if sg.router_url and cfg.rollout.sglang.colocation.mode == "time_share" and sg.launch.enabled:
+        bad("rollout.sglang.router_url", f"{sg.router_url!r} with colocation.mode=time_share: a router started "
+            "elsewhere probes its servers on /health by default, a generation that kills a server whose memory is "
+            "released", "leave router_url unset (the trainer starts one probing /v1/models), or use mode static")
     if str(sg.router).lower() == "false" and sg.router_url:
         bad("rollout.sglang.router_url", f"{sg.router_url!r} with rollout.sglang.router=false",
             "set router to auto or true to use it, or drop router_url")

@@ -13,6 +13,8 @@ uses the platform allocator so the step's temporaries go back to the servers) an
 other variable, e.g. ``NCCL_IB_HCA`` or extra ``XLA_FLAGS``). A variable the user already exported wins, except
 ``XLA_FLAGS``, whose flags are merged (a flag the user gave keeps the user's value).
 
+``JAX_*`` variables are read even earlier, when ``jax`` is imported; with jax imported, :func:`apply_env` sets them as
+the config options they name (``JAX_PLATFORMS`` -> ``jax.config.update("jax_platforms", ...)``).
 ``jax.distributed.initialize`` does not create a backend and may come after this; ``jax.process_index()`` does.
 """
 
@@ -83,9 +85,34 @@ def apply_env(env: Mapping[str, str], *, who: str, override: bool = False) -> di
             "call jaxrl_term.runtime_env.apply_env before any jax.devices()/process_index()/array, or export the "
             "variables before starting Python")
     os.environ.update(todo)
+    _jax_config(todo)
     if todo:
         log.info("%s: environment for the JAX backend: %s", who, " ".join(f"{k}={v}" for k, v in todo.items()))
     return todo
+
+
+def _jax_config(env: Mapping[str, str]) -> None:
+    """``JAX_*`` variables are read when ``jax`` is imported, not when the backend is created: with jax already
+    imported (every entry point imports it through the config schema), set them as the config options they name."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return
+    for k, v in env.items():
+        if not k.startswith("JAX_"):
+            continue
+        name = k.lower()
+        if name not in jax.config.values:
+            raise ValueError(f"{k}: JAX has no config option {name!r}; check the name (trainer.cluster.env)")
+        cur = jax.config.values[name]
+        if isinstance(cur, bool):
+            val: object = v.strip().lower() in ("1", "true", "yes", "on")
+        elif isinstance(cur, int):
+            val = int(v)
+        elif isinstance(cur, float):
+            val = float(v)
+        else:
+            val = v
+        jax.config.update(name, val)
 
 
 def config_env(cfg) -> dict[str, str]:

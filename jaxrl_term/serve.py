@@ -308,8 +308,10 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         return (await request.json()) if raw else {}
 
     async def run_one(ids: list[int], sampling: SamplingParams):
-        mem.check_forward("a forward pass")
         async with adm.request():
+            # at forward time, past the pause gate: a request held by a pause during which memory was released
+            # runs on unmapped memory when generation continues, as in SGLang
+            mem.check_forward("a forward pass")
             return await engine.generate(ids, sampling)
 
     async def one(ids, text, sp: dict, rid: str, return_logprob: bool, skip_special: bool) -> dict:
@@ -436,6 +438,10 @@ def create_app(engine, tokenizer=None, model_path: str = "", tokenizer_path: str
         return JSONResponse(info)
 
     async def health(request: Request):
+        # SGLang serves /health and /health_generate from one handler (http_server.py): a one-token generation
+        # unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is off (default on, 0.5.6 to 0.5.23)
+        if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in ("0", "false", "no"):
+            return await health_generate(request)
         if adm.paused:
             return err("generation is paused", 503)
         return JSONResponse({}) if await engine.health() else err("engine is not running", 503)

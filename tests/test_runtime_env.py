@@ -30,6 +30,7 @@ def probe(env, *, who, override=False):
         os._exit(0)
     import jax
     rec = {"who": who, "backend_before": before, "set": done, "devices": jax.device_count(),
+           "platforms": jax.config.values.get("jax_platforms"), "prng": jax.config.values.get("jax_default_prng_impl"),
            "env": {k: os.environ.get(k) for k in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "NCCL_DEBUG",
                                                   "JAX_PLATFORMS")}}
     with open(out, "w") as f:
@@ -43,7 +44,9 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 THREE = "'--xla_force_host_platform_device_count=3'"
 ENTRY_POINTS = {
     # module, arguments; the config asks for 3 CPU devices through trainer.cluster.env
+    # JAX_* are read at `import jax` (before apply_env): they must reach jax.config all the same
     "train": ("jaxrl_term.train", ["+experiment=tiny_cpu", f"+trainer.cluster.env.XLA_FLAGS={THREE}",
+                                   "+trainer.cluster.env.JAX_DEFAULT_PRNG_IMPL=rbg",
                                    "+trainer.cluster.env.NCCL_DEBUG=WARN", "trainer.warm_start.enabled=false"]),
     "sft": ("jaxrl_term.sft", [f"+trainer.cluster.env.XLA_FLAGS={THREE}", "+trainer.cluster.env.NCCL_DEBUG=WARN",
                                "sft.steps=1"]),
@@ -60,9 +63,9 @@ ENTRY_POINTS = {
 def probes(tmp_path_factory):
     """Every entry point under the probe, started together (each is mostly import time)."""
     tmp = tmp_path_factory.mktemp("envprobe")
+    # no JAX_PLATFORMS: the planner must force CPU itself (on a GPU node it would otherwise plan on the GPUs)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                            "NCCL_DEBUG")}
-    env["JAX_PLATFORMS"] = "cpu"
+                                                            "NCCL_DEBUG", "JAX_PLATFORMS")}
     procs = {}
     for name, (module, args) in ENTRY_POINTS.items():
         out = tmp / f"{name}.json"
@@ -94,6 +97,10 @@ def test_every_entry_point_sets_the_backend_environment_before_any_backend_exist
         assert "--xla_force_host_platform_device_count=3" in rec["env"]["XLA_FLAGS"]
     if name in ("train", "sft", "eval"):
         assert rec["env"]["NCCL_DEBUG"] == "WARN"
+    if name == "train":
+        assert rec["prng"] == "rbg"
+    if name == "plan":
+        assert rec["platforms"] == "cpu"
 
 
 def test_apply_env_refuses_changes_once_a_backend_exists_and_is_a_noop_otherwise(monkeypatch):

@@ -13,6 +13,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from jaxrl_term.eval.core import HARNESS, POLICIES, EvalSettings, Evaluator
+from jaxrl_term.rollout.engine import EngineError
 
 log = logging.getLogger("jaxrl_term.eval")
 
@@ -177,8 +178,12 @@ def make_evaluator(cfg, tasks, run_dir, *, policy: str, engine=None, tokenizer=N
 
 async def run_eval(cfg) -> dict:
     """``python -m jaxrl_term.eval``: evaluate ``policy`` on ``data`` into ``run_dir``; the summary."""
+    from jaxrl_term.runtime_env import apply_env, config_env
     from jaxrl_term.tasks.dataset import load_from_config
     from jaxrl_term.train import build_tokenizer, resolve_backend, sandbox_backend
+
+    # before a checkpoint policy touches a device (callers other than the eval entry point: datagen's pass rates)
+    apply_env(config_env(cfg), who="eval")
 
     p = cfg.policy
     source = cfg.data.source
@@ -201,6 +206,14 @@ async def run_eval(cfg) -> dict:
 
         tok, _ = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
         engine = make_sglang_engine(cfg, list(cfg.rollout.sglang.urls))
+        # before any /health_generate: a server a killed trainer left released dies on a generation, and one it
+        # left resumed holds undefined weights (rollout/memory.py)
+        for i, url in enumerate(engine.urls):
+            st = await engine.memory.state(i)
+            if st.state:
+                raise EngineError(f"{url}: its weight_version says a trainer left its memory {st.state} "
+                                  f"({st.version!r}); its weights are not a policy. Resume that training run, or "
+                                  "restart the server from the weights to evaluate", retryable=False)
         await engine.wait_ready(cfg.rollout.sglang.launch.ready_timeout_s)
         fingerprint.update(urls=list(cfg.rollout.sglang.urls))
     elif p.kind == "openai":

@@ -29,9 +29,10 @@ import numpy as np
 YARN_KEYS = frozenset({"rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                        "attention_factor", "mscale", "mscale_all_dim", "truncate", "rope_theta",
                        "partial_rotary_factor"})
-# YaRN keys SGLang's YaRNScalingRotaryEmbedding does not read (it reads factor, original_max_position_embeddings,
-# beta_fast, beta_slow, truncate, and its own attn_factor / extrapolation_factor)
-SGLANG_IGNORED_KEYS = ("attention_factor", "mscale", "mscale_all_dim")
+# YaRN keys SGLang's rotary embedding does not read: it takes factor, original_max_position_embeddings, beta_fast,
+# beta_slow, truncate, mscale and mscale_all_dim (layers/rotary_embedding/factory.py, yarn.py in 0.5.23), and its own
+# attn_factor instead of attention_factor
+SGLANG_IGNORED_KEYS = ("attention_factor",)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

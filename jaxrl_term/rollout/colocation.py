@@ -15,11 +15,11 @@ Modes (``rollout.sglang.colocation.mode``):
   only its state (parameters + optimizer) next to the servers.
 * ``none``: the servers do not share GPUs with the trainer (remote URLs, or GPUs outside the trainer's mesh).
 
-SGLang's KV budget (``ModelRunner.profile_max_num_token``): after loading weights it measures the free memory
-and keeps ``total x (1 - mem_fraction_static)`` of it free, so the KV pool per GPU is ``total x
-mem_fraction_static - weights - everything else already on the GPU`` (its CUDA context, its TP group's NCCL
-buffers). Memory another process holds when a server starts comes out of the KV pool (negative: "Not enough
-memory"), which is why servers start first.
+SGLang's KV budget (``profile_max_num_token``; ``mem_cache/kv_cache_configurator.py`` in 0.5.23): the free memory
+after loading the weights, less ``(1 - mem_fraction_static)`` of the free memory measured before loading them (after
+its CUDA context and NCCL set-up), so the KV pool per GPU is ``mem_fraction_static x (total - CUDA context - NCCL -
+other processes) - weights``. Memory another process holds when a server starts shrinks the KV pool (negative:
+"Not enough memory"), which is why servers start first.
 
 Phases (:meth:`ColocationPlan.phases`): what one GPU holds, per process, in each phase of a step. The planner
 refuses a plan whose total leaves less than 10% of any GPU free in any phase:
@@ -29,7 +29,8 @@ refuses a plan whose total leaves less than 10% of any GPU free in any phase:
 * ``rollout`` (between updates): the trainer's state (time_share: temporaries returned; static: the allocator
   keeps its peak) next to serving servers;
 * ``weight sync``: as ``rollout`` plus the export's on-device chunks (``save_pretrained``: one chunk and its
-  local shard per device).
+  local shard per device). In time_share the export runs before the servers resume; it is counted next to serving
+  servers all the same (the safe side).
 
 Runtime overheads the compiled step does not show, per GPU and process (``colocation.*``, stated defaults;
 ``experiments/bench/gpu_first_run.py`` measures the first two on a real GPU):
@@ -199,7 +200,8 @@ def server_plans(cfg) -> list[ServerPlan]:
         tp = int(s.tp_size)
         weights = params * 2 / tp / GB  # bf16 serving weights, split over the TP group
         static = la.mem_fraction_static * gpu
-        kv = static - weights - o.cuda_context_gb - _sglang_nccl(o, tp)  # profile_max_num_token: all else on the GPU
+        # profile_max_num_token: the fraction of what was free before the weights, less the weights
+        kv = la.mem_fraction_static * (gpu - o.cuda_context_gb - _sglang_nccl(o, tp)) - weights
         kv_heads = max(1, arch.num_key_value_heads // tp)  # fewer KV heads than ranks: each rank keeps one
         per_token = 2 * arch.num_hidden_layers * kv_heads * arch.head_dim * 2  # K and V, bf16, per GPU
         out.append(ServerPlan(f":{s.port}", tp, weights, static, kv, max(0, int(kv * GB // per_token)), context,

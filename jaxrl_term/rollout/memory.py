@@ -144,6 +144,9 @@ class ServerMemory:
         if not todo:
             return
         now = (*st.released, *todo)
+        # SGLang asserts idleness in release (the server dies otherwise); a generation the client gave up on runs on
+        # until the server notices the disconnect, so wait until /flush_cache says nothing runs or waits
+        await self.engine._wait_idle(i)
         await self._mark(i, MemoryState(st.version, "releasing", now))
         await self._control(i, "/release_memory_occupation", todo, undo=st)
         await self._mark(i, MemoryState(st.version, "released", now))

@@ -3,8 +3,8 @@
 The router (PyPI ``sglang-router``, a Rust binary behind ``python -m sglang_router.launch_router``; read in
 sgl-model-gateway 0.3.2) proxies ``/generate`` to one worker chosen by its ``--policy``. ``manual`` keeps a
 request that carries the header ``X-SMG-Routing-Key`` on the worker that key was first given to (new keys go
-to the worker chosen by ``--assignment-mode``: ``random``, ``min_load`` (fewest requests in flight) or
-``min_group`` (fewest keys in flight)); the key moves only when that worker is unhealthy or its circuit breaker
+to the worker chosen by ``--assignment-mode``: ``random``, the router's default; ``min_load``, ours: fewest
+requests in flight; or ``min_group``: fewest keys in flight); the key moves only when that worker is unhealthy or its circuit breaker
 is open. The client sends the episode id as the key, so an episode's turns reuse one server's prefix cache.
 ``cache_aware`` instead matches the request text (input ids joined by spaces) against a tree of what each
 worker saw, and sends a request to the least loaded worker whenever the load is unbalanced: an episode may move.

@@ -474,8 +474,10 @@ class SGLangEngine(TroubleLog):
             raise ValueError(f"memory tags {bad}; SGLang knows {list(MEMORY_TAGS)}")
 
     async def health(self) -> bool:
+        """Every server answers ``/v1/models`` (and the router reports them healthy). Not ``/health``: SGLang
+        answers it with a one-token generation, which kills a server whose memory is released (>= 0.5.10)."""
         try:
-            probes = [u + "/health" for u in self.urls] + ([self.router + "/readiness"] if self.router else [])
+            probes = [u + "/v1/models" for u in self.urls] + ([self.router + "/readiness"] if self.router else [])
             rs = await asyncio.gather(*(self.client.get(u, timeout=10) for u in probes))
         except httpx.HTTPError:
             return False
