@@ -1,5 +1,6 @@
 """Tiny random Qwen3 checkpoints written by transformers itself (the independent reference)."""
 
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +75,19 @@ class SessionEngine:
         self.turns[session] = k + 1
         out = self.tok(self.replies[min(k, len(self.replies) - 1)], add_special_tokens=False)["input_ids"] + [self.eos]
         return Generation(out, [-0.5] * len(out), "stop", weight_version=0)
+
+
+_PORTS = iter(np.random.default_rng().permutation(np.arange(20000, 30000)).tolist())
+
+
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range (32768+), where bind(0) and outgoing connections take
+    theirs: another test process launching servers cannot be handed the same one in the meantime."""
+    for port in _PORTS:
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")

@@ -9,7 +9,6 @@ rules, with the source they come from: ``jaxrl_term/serve.py`` and ``jaxrl_term/
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,10 +17,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
 import pytest
 
-from helpers import hf_checkpoint
+from helpers import free_port, hf_checkpoint
 from jaxrl_term.rollout.engine import EngineError, Generation
 from jaxrl_term.rollout.memory import MARK, MemoryState, WeightCycle
 from jaxrl_term.rollout.sglang import SGLangEngine
@@ -30,18 +28,6 @@ from jaxrl_term.serve import Rules, create_app, parse_version
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 1024
 ARGS = ["--context-length", "256", "--max-running-requests", "4"]
-_PORTS = iter(np.random.default_rng().permutation(np.arange(20000, 30000)).tolist())
-
-
-def free_port() -> int:
-    for port in _PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-29999")
 
 
 class Server:

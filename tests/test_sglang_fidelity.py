@@ -7,7 +7,6 @@ import ipaddress
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import hf_checkpoint
+from helpers import free_port, hf_checkpoint
 from jaxrl_term.model.hf import load_pretrained, save_pretrained
 from jaxrl_term.rollout.engine import SamplingParams
 from jaxrl_term.rollout.sglang import SGLangEngine, SGLangLauncher, ServerLimits, ServerSpec, default_advertise_host
@@ -32,22 +31,6 @@ LONG = SamplingParams(temperature=0, max_new_tokens=480)  # ~1 s of decoding: lo
 
 def run(coro):
     return asyncio.run(coro)
-
-
-_PORTS = iter(np.random.default_rng().permutation(np.arange(20000, 30000)).tolist())
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768+), where bind(0) and outgoing connections take
-    theirs: another test process launching servers cannot be handed the same one in the meantime."""
-    for port in _PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-29999")
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
