@@ -7,7 +7,7 @@ preallocates 75% of every GPU and keeps it, so a colocated SGLang server finds n
 entry point (train, sft, eval, plan, serve) calls :func:`apply_env` first, before anything may touch a backend, and
 :func:`apply_env` refuses to run once a backend exists when it would change anything.
 
-What a config asks for (:func:`config_env`): the colocation plan's allocator settings on GPU presets
+What a config asks for (``rollout.colocation.config_env``; this module imports nothing of the package): the colocation plan's allocator settings on GPU presets
 (``rollout/colocation.py``: ``static`` caps XLA at what the servers leave; ``time_share`` turns preallocation off and
 uses the platform allocator so the step's temporaries go back to the servers) and ``trainer.cluster.env`` (any
 other variable, e.g. ``NCCL_IB_HCA`` or extra ``XLA_FLAGS``). A variable the user already exported wins, except
@@ -113,23 +113,6 @@ def _jax_config(env: Mapping[str, str]) -> None:
         else:
             val = v
         jax.config.update(name, val)
-
-
-def config_env(cfg) -> dict[str, str]:
-    """The variables a train / sft / eval config needs before the backend: the colocation plan's XLA allocator
-    settings (GPU presets) and ``trainer.cluster.env``."""
-    env: dict[str, str] = {}
-    cl = cfg.trainer.cluster
-    if int(cl.gpus_per_node) > 0:
-        from jaxrl_term.rollout.colocation import colocation_plan
-
-        env.update(colocation_plan(cfg).trainer_env())
-    for k, v in dict(getattr(cl, "env", None) or {}).items():
-        if k == "XLA_FLAGS" and "XLA_FLAGS" in env:
-            env[k] = merge_xla_flags(env[k], str(v))
-        else:
-            env[str(k)] = str(v)
-    return env
 
 
 def env_problems(env: Mapping[str, object], where: str = "trainer.cluster.env") -> list[tuple[str, str, str]]:

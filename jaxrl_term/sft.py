@@ -307,7 +307,8 @@ def main() -> None:
         if problems:
             print(format_problems(problems), file=sys.stderr)
             sys.exit(2)
-        from jaxrl_term.runtime_env import apply_env, config_env
+        from jaxrl_term.rollout.colocation import config_env
+        from jaxrl_term.runtime_env import apply_env
 
         apply_env(config_env(cfg), who="sft")  # before anything touches a backend (runtime_env.py)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)

@@ -133,7 +133,8 @@ class Trainer:
         from jaxrl_term.parallel.mesh import initialize_distributed
         from jaxrl_term.parallel.multihost import HostChannel
         from jaxrl_term.rollout.setup import launch_local_servers
-        from jaxrl_term.runtime_env import apply_env, config_env
+        from jaxrl_term.rollout.colocation import config_env
+        from jaxrl_term.runtime_env import apply_env
 
         self.cfg = cfg
         # First, before anything touches a backend: the XLA allocator settings of the colocation plan and
@@ -671,7 +672,8 @@ def main(cfg: Config) -> None:
     if cfg.trainer.dry_run:
         print("preflight: ok")
         return
-    from jaxrl_term.runtime_env import apply_env, config_env
+    from jaxrl_term.rollout.colocation import config_env
+    from jaxrl_term.runtime_env import apply_env
 
     apply_env(config_env(cfg), who="train")  # before anything touches a backend (runtime_env.py)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)

@@ -720,9 +720,9 @@ def test_launched_servers_die_with_the_trainer():
 
     code = """
 import os, subprocess, sys
-from jaxrl_term.rollout.launcher import _die_with_parent
-echo = subprocess.run([*_die_with_parent(), "echo", "hop ok"], capture_output=True, text=True)
-p = subprocess.Popen([*_die_with_parent(), "sleep", "120"], start_new_session=True)
+from jaxrl_term.rollout.launcher import die_with_parent
+echo = subprocess.run([*die_with_parent(), "echo", "hop ok"], capture_output=True, text=True)
+p = subprocess.Popen([*die_with_parent(), "sleep", "120"], start_new_session=True)
 print(echo.stdout.strip(), "|", p.pid, flush=True)
 os.kill(os.getpid(), 9)
 """

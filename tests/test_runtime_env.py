@@ -128,7 +128,7 @@ def test_user_exported_values_win_and_xla_flags_merge(monkeypatch):
 
 def test_gpu_presets_ask_for_their_colocation_allocator_settings():
     from jaxrl_term.plan import compose
-    from jaxrl_term.runtime_env import config_env
+    from jaxrl_term.rollout.colocation import config_env
 
     time_share = config_env(compose(["+experiment=qwen32b_h100", "model.path=/m"]))
     assert time_share == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}

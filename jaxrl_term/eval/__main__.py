@@ -82,7 +82,8 @@ def main(cfg) -> None:
     from jaxrl_term.eval.run import run_eval
     from jaxrl_term.sandbox.base import unwind_on_sigterm
 
-    from jaxrl_term.runtime_env import apply_env, config_env
+    from jaxrl_term.rollout.colocation import config_env
+    from jaxrl_term.runtime_env import apply_env
 
     unwind_on_sigterm()
     check(cfg)

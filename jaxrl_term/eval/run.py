@@ -178,7 +178,8 @@ def make_evaluator(cfg, tasks, run_dir, *, policy: str, engine=None, tokenizer=N
 
 async def run_eval(cfg) -> dict:
     """``python -m jaxrl_term.eval``: evaluate ``policy`` on ``data`` into ``run_dir``; the summary."""
-    from jaxrl_term.runtime_env import apply_env, config_env
+    from jaxrl_term.rollout.colocation import config_env
+    from jaxrl_term.runtime_env import apply_env
     from jaxrl_term.tasks.dataset import load_from_config
     from jaxrl_term.train import build_tokenizer, resolve_backend, sandbox_backend
 

@@ -54,6 +54,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxrl_term.runtime_env import merge_xla_flags
+
 GB = 1e9
 EXPORT_CHUNK_GB = 512 * 1024**2 / GB  # save_pretrained's default max_chunk_bytes (model/hf.py)
 
@@ -234,3 +236,18 @@ def colocation_plan(cfg) -> ColocationPlan:
         return ColocationPlan("static", gpu, cap, static, serving, serving, trainer_oh, cap / gpu, o)
     budget = gpu - o.released_residual_gb - trainer_oh
     return ColocationPlan("time_share", gpu, budget, static, serving, o.released_residual_gb, trainer_oh, None, o)
+
+
+def config_env(cfg) -> dict[str, str]:
+    """The variables a train / sft / eval config needs before the backend: the colocation plan's XLA allocator
+    settings (GPU presets) and ``trainer.cluster.env``."""
+    env: dict[str, str] = {}
+    cl = cfg.trainer.cluster
+    if int(cl.gpus_per_node) > 0:
+        env.update(colocation_plan(cfg).trainer_env())
+    for k, v in dict(getattr(cl, "env", None) or {}).items():
+        if k == "XLA_FLAGS" and "XLA_FLAGS" in env:
+            env[k] = merge_xla_flags(env[k], str(v))
+        else:
+            env[str(k)] = str(v)
+    return env

@@ -108,7 +108,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
-def _die_with_parent() -> list[str]:
+def die_with_parent() -> list[str]:
     """The argv to put in front of a server's command so it dies with the trainer (Linux; elsewhere nothing).
     A fresh interpreter does it, never a ``preexec_fn``: that forks the multithreaded trainer with every
     library's atfork handlers run while the GIL is held, a rare deadlock (see sandbox/confine.py)."""
@@ -244,7 +244,7 @@ class SGLangLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if threading.current_thread() is not threading.main_thread():
             log.warning("SGLangLauncher.start() outside the main thread: servers get SIGKILL when this thread ends")
-        hop = _die_with_parent()
+        hop = die_with_parent()
         for s in self.servers:
             with open(self.log_dir / f"server-{s.port}.log", "ab") as logf:
                 self.procs.append(subprocess.Popen([*hop, *self.command(s)], stdout=logf, stderr=subprocess.STDOUT,
@@ -272,17 +272,23 @@ class SGLangLauncher:
                     await asyncio.sleep(1.0)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        t_end = time.monotonic() + timeout_s
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_groups(self.procs, timeout_s)
         self.procs.clear()
+
+
+def stop_groups(procs: Sequence[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM to each process group (started with ``start_new_session``), then SIGKILL to those still running
+    after ``timeout_s`` in all."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    t_end = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, t_end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

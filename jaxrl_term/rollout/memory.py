@@ -39,14 +39,11 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import httpx
 
 from jaxrl_term.rollout.engine import EngineError
 
-if TYPE_CHECKING:
-    from jaxrl_term.rollout.sglang import SGLangEngine
 
 log = logging.getLogger(__name__)
 MARK = "|jaxrl-memory:"
@@ -82,7 +79,7 @@ class MemoryState:
 class ServerMemory:
     """What each of an engine's servers has released, kept in the servers themselves (see the module docstring)."""
 
-    def __init__(self, engine: SGLangEngine):
+    def __init__(self, engine):
         self.engine = engine
         self.local: list[set[str]] = [set() for _ in engine.urls]  # what this client released
         self.marks = [True] * len(engine.urls)  # False: the server has no /update_weight_version
@@ -199,7 +196,7 @@ class ServerMemory:
                               retryable=False)
 
 
-async def each_server(engine: SGLangEngine, what: str, calls) -> None:
+async def each_server(engine, what: str, calls) -> None:
     """Run one coroutine per server; raise one ``EngineError`` naming every server that failed."""
     results = await asyncio.gather(*calls, return_exceptions=True)
     errors = [f"{url}: {e}" for url, e in zip(engine.urls, results) if isinstance(e, Exception)]
@@ -212,7 +209,7 @@ class WeightCycle:
     ``release`` before each update (``time_share`` only: the trainer then has the GPUs), ``load`` after it (and
     first thing on a resume): resume whatever is released, then load the new weights."""
 
-    def __init__(self, engine: SGLangEngine, *, time_share: bool):
+    def __init__(self, engine, *, time_share: bool):
         self.engine, self.time_share = engine, time_share
 
     async def attach(self, ready_timeout_s: float) -> None:

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +39,7 @@ from pathlib import Path
 import httpx
 
 from jaxrl_term.rollout.engine import EngineError
-from jaxrl_term.rollout.launcher import _die_with_parent
+from jaxrl_term.rollout.launcher import die_with_parent, stop_groups
 
 log = logging.getLogger(__name__)
 POLICIES = ("manual", "cache_aware", "round_robin", "random", "power_of_two")  # sglang-router 0.3.2's --policy
@@ -113,7 +111,7 @@ class SGLangRouter:
     def start(self) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            self.proc = subprocess.Popen([*_die_with_parent(), *self.command()], stdout=logf,
+            self.proc = subprocess.Popen([*die_with_parent(), *self.command()], stdout=logf,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         log.info("sglang-router (%s policy) on %s in front of %d server(s); log %s", self.policy, self.url,
                  len(self.worker_urls), self.log_path)
@@ -131,18 +129,8 @@ class SGLangRouter:
 
     def stop(self, timeout_s: float = 15.0) -> None:
         p, self.proc = self.proc, None
-        if p is None:
-            return
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        if p is not None:
+            stop_groups([p], timeout_s)
 
 
 async def wait_router_ready(url: str, n_workers: int, deadline_s: float, proc: SGLangRouter | None = None) -> None:
