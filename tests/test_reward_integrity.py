@@ -20,9 +20,11 @@ from conftest import need
 from jaxrl_term.reward import tamper
 from jaxrl_term.reward.verifier import verify
 from jaxrl_term.sandbox import toolchain
+from jaxrl_term.sandbox.base import CLEAN_PATH, Stat
 from jaxrl_term.tasks.builtin import generate
 from jaxrl_term.tasks.check import check_task, run_oracle
 from jaxrl_term.tasks.env import open_task_sandbox
+from jaxrl_term.tasks.formats import load_tasks
 from jaxrl_term.tasks.task import FileBlob, Solution
 from jaxrl_term.tasks.task import Tests as TaskTests
 
@@ -300,29 +302,133 @@ def test_the_verifiers_python_maps_and_imports_nothing_from_the_agents_filesyste
         async with open_task_sandbox(task) as sb:
             tc = await toolchain.for_sandbox(sb)
             out = await sb.exec([*tc.argv, "-c", probe, json.dumps(list(tc.pre))], 60,
-                                 env={"PATH": tc.exec_path(), "LANG": "C.UTF-8", **toolchain.START_ENV})
+                                 env={"PATH": CLEAN_PATH, "LANG": "C.UTF-8", **toolchain.START_ENV})
             return tc, out
 
     tc, out = run(go())
-    assert tc.pristine and tc.tbin and tc.argv[0] == f"{toolchain.MOUNT}/so/ld.so"
+    assert tc.pristine and tc.argv[0] == f"{toolchain.MOUNT}/so/ld.so"
+    assert set(tc.facts["patched"]) == {"/etc/ld.so.preload", "/etc/nsswitch.conf"}
     data = json.loads(out.output.strip().splitlines()[-1])
     outside = [m for m in data["maps"] if m.startswith("/") and not m.startswith(toolchain.MOUNT + "/")]
     assert not outside, outside  # loader, libc, python, extension modules and their libraries: all from the volume
     assert all(f.startswith(toolchain.MOUNT + "/") for f in data["files"] if f), data["files"]
 
 
-def test_the_pristine_copy_scores_an_honest_run_with_the_images_python_broken(docker_client):
-    task = generate("csv_stats", "medium", seed=11)
+TRIPWIRE_C = r"""
+#include <fcntl.h>
+#include <string.h>
+#include <unistd.h>
+static void note(const char *what, int argc, char **argv) {
+    int fd = open("/tripwire.log", O_WRONLY | O_APPEND | O_CREAT, 0644);
+    if (fd < 0) return;
+    write(fd, what, strlen(what));
+    for (int i = 0; i < argc; i++) { write(fd, " ", 1); write(fd, argv[i], strlen(argv[i])); }
+    write(fd, "\n", 1);
+    close(fd);
+}
+#ifdef LIB
+__attribute__((constructor)) static void loaded(int argc, char **argv) { note("loaded", argc, argv); }
+#else
+int main(int argc, char **argv) { note("ran", argc, argv); return 0; }
+#endif
+"""
+# every executable and shared library of the container replaced by the tripwire (renamed over: running processes
+# keep their files), /etc/ld.so.preload and an NSS module naming the tripwire library
+TRIP_ALL = r"""
+import os, shutil, stat
+trip, lib = open("/tmp/trip", "rb").read(), open("/tmp/trip.so", "rb").read()
+skip = ("/proc", "/sys", "/dev", "/opt/jaxrl", "/opt/jaxrl-py", "/tmp", "/run")
+n = 0
+for top in ("/usr", "/etc", "/var", "/root", "/app", "/opt", "/srv", "/home"):
+    for root, dirs, files in os.walk(top):
+        if root.startswith(skip):
+            dirs[:] = []
+            continue
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or not (st.st_mode & 0o111 or ".so" in f):
+                continue
+            try:
+                with open(p + ".trip", "wb") as out:
+                    out.write(lib if ".so" in f else trip)
+                os.chmod(p + ".trip", st.st_mode & 0o7777)
+                os.replace(p + ".trip", p)
+                n += 1
+            except OSError:
+                pass
+shutil.copy("/tmp/trip.so", "/usr/lib/libnss_trip.so.2")
+open("/etc/ld.so.preload", "w").write("/tmp/trip.so\n")
+open("/etc/nsswitch.conf", "w").write("passwd: trip files\ngroup: trip files\nhosts: trip files\n")
+print("replaced", n)
+"""
 
-    async def go():
-        async with open_task_sandbox(task) as sb:
-            await run_oracle(task, sb)
-            await sb.run(": > /usr/bin/python3.13; echo 'raise SystemExit(3)' > /usr/lib/python3.13/json/__init__.py",
-                         10)
-            return await verify(task, sb)
 
-    res = run(go())
-    assert (res.outcome, res.score, res.toolchain) == ("scored", 1.0, "pristine")
+def test_no_agent_process_survives_and_the_verifier_runs_nothing_of_the_agents_filesystem(backend,
+                                                                                           tmp_path):
+    """The agent leaves daemons behind (detached, in their own session, ignoring SIGTERM) and, on Docker, replaces
+    every executable and library of its container by a tripwire that logs each run or load, names it in
+    /etc/ld.so.preload and as an NSS module. With the tamper check out of the way (what this measures is execution,
+    not detection), verification starts with none of the agent's processes alive, scores the honest work 1, and
+    the tripwire never fired: the only thing verification ran from the agent's filesystem is the test command
+    itself (the pristine runner: nothing at all; TB1's script: its ``bash``)."""
+    import subprocess
+
+    from jaxrl_term.reward import verifier
+
+    need(shutil.which("gcc") is not None, "gcc (the tripwire)")
+    (tmp_path / "trip.c").write_text(TRIPWIRE_C)
+    subprocess.run(["gcc", "-O1", "-static", "-o", tmp_path / "trip", tmp_path / "trip.c"], check=True)
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-DLIB", "-o", tmp_path / "trip.so", tmp_path / "trip.c"],
+                   check=True)
+    task = dataclasses.replace(generate("csv_stats", "medium", seed=11), tests=TaskTests("pytest", {
+        "test_outputs.py": FileBlob.text("import pwd, socket\n\ndef test_work():\n    assert pwd.getpwuid(0).pw_name"
+                                         " == 'root'\n    socket.getaddrinfo('localhost', 80)\n"
+                                         "    assert open('/app/done').read() == 'ok'\n")}, "test_outputs.py"))
+    script = load_tasks(ia.FIXTURES / "tb1-word-count")[0]
+    daemons = ("nohup sleep 1000 >/dev/null 2>&1 & setsid sh -c 'trap \"\" TERM HUP; sleep 1000' >/dev/null 2>&1 & "
+               "python3 -c 'import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0: time.sleep(1000)'"
+               "; sleep 0.3; echo ok > /app/done.tmp && mv /app/done.tmp /app/done && printf ok > /app/done")
+
+    async def go(t, trip: bool):
+        async with open_task_sandbox(t, backend=backend) as sb:
+            if t is script:
+                await run_oracle(t, sb)
+            alive = await sb.run(daemons + "; ps -e | grep -c sleep", 30)
+            if trip:
+                for name in ("trip", "trip.so"):
+                    await sb.write_file(f"/tmp/{name}", (tmp_path / name).read_bytes(), 0o755)
+                out = await sb.run(f"python3 - <<'EOF'\n{TRIP_ALL}\nEOF", 120)
+                assert "replaced" in out.output, out.output
+            res = await verify(t, sb, fresh=False)
+            try:
+                log = (await sb.read_file("/tripwire.log")).decode()
+            except Exception:  # noqa: BLE001 - no log: nothing fired
+                log = ""
+            return alive.output, res, log
+
+    saved = verifier._tamper_findings
+
+    async def none(*a, **k):
+        return []
+
+    verifier._tamper_findings = none
+    try:
+        trip = backend == "docker"
+        alive, res, log = run(go(task, trip))
+        assert int(alive.split()[-1]) >= 2  # the daemons were running
+        assert res.census == (("docker-init", "pause") if backend == "docker" else ()), res.census
+        assert (res.outcome, res.score, log) == ("scored", 1.0, ""), (res.error, log)
+        if trip:
+            alive, res, log = run(go(script, True))
+            assert res.census == ("docker-init", "pause")
+            ran = [line for line in log.splitlines() if line]
+            assert ran and all(line.startswith("ran bash /tests/run-tests.sh") for line in ran), log
+    finally:
+        verifier._tamper_findings = saved
 
 
 def test_an_image_without_python3_falls_back_with_a_reason(docker_client):
@@ -334,7 +440,7 @@ def test_an_image_without_python3_falls_back_with_a_reason(docker_client):
         return await toolchain.for_image(image)
 
     tc = run(go())
-    assert not tc.pristine and tc.reason == "no python3 in the image" and tc.tbin
+    assert not tc.pristine and tc.reason == "no python3 in the image"
 
 
 def test_a_sandbox_opened_without_the_volume_says_which_python_ran_the_tests(docker_client):
@@ -364,33 +470,101 @@ FACTS = {"path_dirs": ["/usr/local/bin", "/usr/bin"], "site_dirs": ["/usr/local/
                         "/usr/lib/python3/dist-packages": ["pytest", "_pytest", "pluggy", "yaml"]},
          "stdlib": ["/usr/lib/python3.13", "/usr/lib/python3.13/lib-dynload"], "executable": "/usr/bin/python3.13",
          "toolchain_files": ["/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"],
-         "startup_modules": ["os", "argparse", "pytest", "json"], "initial_modules": ["os"]}
+         "startup_modules": ["os", "argparse", "pytest", "json"], "initial_modules": ["os"],
+         "stdlib_names": ["os", "json", "csv", "venv", "argparse", "_wmi", "msvcrt"]}
+
+
+def _flagged(changes, level, *, now=None, image=None, texts=None, **scope):
+    sc = tamper.Scope(level, "/app", **scope)
+    entries, found = tamper.resolve(changes, now or {}, image or {}, sc)
+    return found + tamper.findings(entries, FACTS, sc, now=now or {}, image=image or {}, texts=texts or {})
+
+
+EXE, LIB, DIR = Stat("file", 0o755), Stat("file", 0o644), Stat("dir", 0o755)
 
 
 def test_tamper_rules_flag_what_the_runner_executes_and_leave_honest_work_alone():
     honest = [("A", "/app/solution.py"), ("A", "/app/out.csv"), ("C", "/app"), ("A", "/usr/local/bin/mytool"),
               ("A", "/usr/local/lib/python3.13/dist-packages/requests"), ("A", "/tmp/x/sitecustomize.py"),
               ("A", "/usr/lib/python3.13/__pycache__/argparse.cpython-313.pyc"), ("A", "/app/os.py"),
-              ("C", "/etc/hosts"), ("A", "/root/.bash_history")]
+              ("C", "/etc/hosts"), ("A", "/root/.bash_history"), ("C", "/root/.bashrc"), ("C", "/etc/passwd"),
+              ("A", "/etc/cron.d/job"), ("A", "/usr/local/lib/python3.13/dist-packages/paths.pth"),
+              ("A", "/etc/apt/apt.conf.d/99proxy"), ("C", "/usr/share/doc/x/README")]
+    image = {"/usr/bin/mytool": None, "/usr/share/doc/x/README": LIB, "/etc/passwd": LIB, "/root/.bashrc": LIB}
     for level in tamper.LEVELS:
-        assert tamper.findings(honest, FACTS, level=level, workdir="/app", commands={"curl"}) == [], level
-    cases = {  # change -> the lowest level that flags it
-        ("A", "/etc/ld.so.preload"): "pristine", ("C", "/etc/nsswitch.conf"): "pristine",
-        ("A", "/usr/local/bin/mkdir"): "pristine", ("C", "/usr/lib/python3/dist-packages/yaml/__init__.py"): "pristine",
-        ("A", "/usr/local/lib/python3.13/dist-packages/pluggy"): "pristine",
-        ("A", "/usr/local/bin/python3"): "image", ("D", "/usr/bin/timeout"): "image",
-        ("C", "/usr/lib/python3.13/json/__init__.py"): "image", ("C", "/usr/lib/x86_64-linux-gnu/libc.so.6"): "image",
-        ("A", "/usr/local/bin/curl"): "script", ("A", "/pytest.ini"): "script", ("A", "/app/argparse.py"): "script",
-        ("A", "/app/pytest.py"): "script", ("A", "/etc/ld.so.conf.d/evil.conf"): "script",
-        ("C", "/etc/python3.13/sitecustomize.py"): "script", ("A", "/root/.local/bin/uvx"): "script",
+        assert _flagged(honest, level, image=image, texts={"/usr/local/lib/python3.13/dist-packages/paths.pth":
+                                                           b"/opt/lib\n"}, scripts=("curl -s x | sh",)) == [], level
+    # what honest agents do that looks like tampering (measured in tests/integrity_honest.py): a venv in the work
+    # dir (a directory named like the stdlib's venv, no __init__) or in /opt with setuptools' .pth; a package's
+    # pyproject.toml, a git repository and identity, when the scripts run pytest on /tests, pip and git
+    venvs = [("A", "/app/venv"), ("A", "/app/venv/pyvenv.cfg"), ("A", "/opt/venv"), ("A", "/opt/venv/pyvenv.cfg"),
+             ("A", "/opt/venv/lib/python3.13/site-packages/distutils-precedence.pth"), ("A", "/app/pyproject.toml"),
+             ("A", "/root/.gitconfig"), ("A", "/app/.git"), ("A", "/app/.git/config"), ("A", "/app/.git/hooks"),
+             ("A", "/app/.git/hooks/pre-commit.sample")]
+    texts = {"/opt/venv/lib/python3.13/site-packages/distutils-precedence.pth": b"import os; x\n",
+             "/app/pyproject.toml": b"[project]\nname='x'\n[tool.pytest.ini_options]\n",
+             "/root/.gitconfig": b"[user]\n\tname = a\n", "/app/.git/config": b"[core]\n\tbare = false\n"}
+    assert _flagged(venvs, "script", texts=texts, scripts=("pip install -q pytest; git status; python3 -m pytest "
+                                                           "/tests/test_outputs.py",)) == []
+    link = Stat("link", 0o777, "/opt/x")
+    cases = {  # (change, stats now, stats in the image, texts, scope) -> the lowest level that flags it
+        ("A", "/etc/ld.so.preload"): ("pristine", {}, {}, {}, {}),
+        ("C", "/etc/nsswitch.conf"): ("pristine", {}, {}, {}, {}),
+        ("C", "/etc"): ("pristine", {"/etc": link}, {"/etc": DIR}, {}, {}),
+        ("A", "/usr/local/bin/mkdir"): ("pristine", {}, {"/usr/bin/mkdir": EXE}, {}, {}),
+        ("C", "/usr/bin/wc"): ("pristine", {"/usr/bin/wc": EXE}, {"/usr/bin/wc": EXE}, {}, {}),
+        ("D", "/usr/lib/x86_64-linux-gnu/libz.so.1"): ("pristine", {}, {"/usr/lib/x86_64-linux-gnu/libz.so.1": LIB},
+                                                       {}, {}),
+        ("C", "/usr/lib/python3/dist-packages/yaml/__init__.py"): ("pristine", {}, {}, {}, {}),
+        ("A", "/usr/local/lib/python3.13/dist-packages/pluggy"): ("pristine", {}, {}, {}, {}),
+        ("A", "/json.py"): ("pristine", {}, {}, {}, {"import_dirs": ("/",)}),
+        ("A", "/usr/local/lib/python3.13/dist-packages/sitecustomize"): ("image", {}, {}, {}, {}),
+        ("A", "/usr/lib/python3.13/usercustomize.pyc"): ("image", {}, {}, {}, {}),
+        ("A", "/usr/local/lib/python3.13/dist-packages/zz.pth"): (
+            "image", {}, {}, {"/usr/local/lib/python3.13/dist-packages/zz.pth": b"\xef\xbb\xbfimport os\n"}, {}),
+        ("A", "/usr/lib/python313.zip"): ("image", {}, {}, {}, {}),
+        ("A", "/usr/bin/pyvenv.cfg"): ("image", {}, {}, {}, {}),
+        ("C", "/usr/lib/python3.13/json/__init__.py"): ("image", {}, {}, {}, {}),
+        ("A", "/pytest.toml"): ("script", {}, {}, {}, {}),
+        ("A", "/app/json.py"): ("script", {}, {}, {}, {}),
+        ("A", "/app/pyproject.toml"): ("script", {}, {}, {"/app/pyproject.toml": b"[tool.pytest.ini_options]\n"},
+                                       {"scripts": ("cd /app && pytest -rA",)}),
+        ("A", "/app/setup.py"): ("script", {}, {}, {}, {"scripts": ("pip install -e . && pytest /tests",)}),
+        ("A", "/root/.gitconfig"): ("script", {}, {}, {"/root/.gitconfig": b"[core]\n\tfsmonitor = /tmp/x\n"},
+                                    {"scripts": ("git -C /app status",)}),
+        ("A", "/app/.git/hooks/pre-commit"): ("script", {}, {}, {}, {"scripts": ("cd /app && git commit -m x",)}),
+        ("A", "/root/.local/lib/python3.13/site-packages/x.pth"): (
+            "image", {}, {}, {"/root/.local/lib/python3.13/site-packages/x.pth": b"import os\n"}, {}),
+        ("A", "/etc/apt/apt.conf.d/99x"): ("script", {}, {}, {}, {"scripts": ("apt-get update",)}),
+        ("A", "/root/.local/bin/env"): ("script", {}, {}, {}, {"scripts": ("source $HOME/.local/bin/env",)}),
+        ("C", "/root/.bashrc"): ("script", {}, {}, {}, {"scripts": ("bash -lc 'pytest /tests'",)}),
+        ("A", "/root/.curlrc"): ("script", {}, {}, {}, {"scripts": ("curl -LsSf https://x | sh",)}),
     }
-    for change, lowest in cases.items():
+    for change, (lowest, now, image, texts, scope) in cases.items():
         for level in tamper.LEVELS:
-            flagged = bool(tamper.findings([change], FACTS, level=level, workdir="/app", commands={"curl"}))
+            flagged = bool(_flagged([change], level, now=now, image=image, texts=texts, **scope))
             assert flagged == (tamper.LEVELS.index(level) >= tamper.LEVELS.index(lowest)), (change, level)
-    assert tamper.findings([("A", "/usr/local/bin/timeout")], FACTS, level="pristine", workdir="/app", tbin=False)
-    assert tamper.pth_findings({"/x/a.pth": b"/opt/lib\n", "/x/b.pth": b"import evil\n"}) == [
-        "A /x/b.pth: a .pth file that runs code at every python start-up"]
+    # a prepared site dir behind a link is checked as a site dir: its start-up code is seen where the link is
+    behind = [("C", "/usr/local/lib/python3.13"), ("A", "/usr/local/lib/python3.13/dist-packages"),
+              ("A", "/opt/x"), ("A", "/opt/x/sitecustomize.py")]
+    found = _flagged(behind, "script", now={"/usr/local/lib/python3.13/dist-packages": link})
+    assert "A /usr/local/lib/python3.13/dist-packages/sitecustomize.py (= /opt/x/sitecustomize.py): code the image's " \
+           "python runs at start-up (a start-up module where site finds it)" in found
+    # in an agent area, a start-up module counts once a .pth file's directory line puts its directory on sys.path
+    pth = "/usr/local/lib/python3.13/dist-packages/a.pth"
+    assert _flagged([("A", pth), ("A", "/tmp/uc/usercustomize.py")], "script", texts={pth: b"/tmp/uc\n"})
+    assert not _flagged([("A", pth), ("A", "/tmp/uc/usercustomize.py")], "script", texts={pth: b"/tmp/other\n"})
+    assert _flagged([("A", pth), ("A", "/tmp/uc/msvcrt.py")], "script", texts={pth: b"/tmp/uc\n"})
+    # names Python probes for and the image lacks, NSS modules, a .git that is a file
+    for change, scope in ((("A", "/usr/lib/python3/dist-packages/_wmi.py"), {}),
+                          (("A", "/usr/lib/x86_64-linux-gnu/libnss_db.so.2"), {}),
+                          (("A", "/app/.git"), {"scripts": ("git status",)}),
+                          (("A", "/usr/pip.conf"), {"scripts": ("pip install pytest",)})):
+        level = "script" if scope else "pristine"
+        assert _flagged([change], level, **scope), change
+    assert tamper.pth_runs_code(b"import os\n") and not tamper.pth_runs_code(b"/opt/lib\n# import x\n")
+    assert tamper.sourced_files([". ~/.profile; source ${HOME}/.local/bin/env"], ["/root"]) == {
+        "/root/.profile", "/root/.local/bin/env"}
 
 
 def test_script_commands_are_the_commands_a_test_script_runs():

@@ -176,8 +176,11 @@ def test_tampering_does_not_change_the_verdict(backend):
 
     honest, naive, after = run(go())
     assert naive and all(naive.values())
-    assert honest.outcome == after.outcome == "scored"
-    assert honest.score == after.score == 0.0 and after.passed == honest.passed and not any(after.passed.values())
+    assert honest.outcome == "scored" and honest.score == after.score == 0.0
+    if backend == "docker":  # the pytest on PATH hides the image's: a command the tests' subprocesses could run
+        assert after.outcome == "tampered" and any("/usr/local/bin/pytest" in f for f in after.tamper), after.tamper
+    else:  # the local system is read-only: the rest changes nothing the pristine runner reads
+        assert after.outcome == "scored" and after.passed == honest.passed and not any(after.passed.values())
 
 
 def test_harbor_reward_file_planted_by_the_agent_is_ignored(docker_client):

@@ -37,9 +37,9 @@ import base64
 import dataclasses
 import functools
 import json
+import posixpath
 import re
 import secrets
-import shlex
 import time
 import xml.etree.ElementTree as ET
 import zlib
@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping
 
 from jaxrl_term.reward import tamper
 from jaxrl_term.sandbox import toolchain
-from jaxrl_term.sandbox.base import Sandbox, SandboxError
+from jaxrl_term.sandbox.base import CLEAN_PATH, Sandbox, SandboxError
 from jaxrl_term.tasks.task import Task, resolve_env
 
 SCORING = ("weighted", "binary")
@@ -68,6 +68,7 @@ class VerifierResult:
     tamper: tuple[str, ...] = ()  # the tamper check's findings (outcome tampered)
     toolchain: str = ""  # "pristine", or which python ran the tests and why
     engine_down: bool = False  # verifier_error because the sandbox's Docker engine died: never a sabotage check
+    census: tuple[str, ...] = ()  # the processes alive when verification started (the sandbox's own only)
 
     @property
     def ok(self) -> bool:
@@ -138,9 +139,9 @@ def score_of(passed: Mapping[str, bool], weights: Mapping[str, float], scoring: 
     return sum(weights[n] for n, ok in passed.items() if ok) / ran if ran > 0 else 0.0
 
 
-# Empty /tests and /logs/verifier (mount points on the local backend); a symlink or file the agent put in their place
-# is removed first, so nothing is written through it; then the directories the tests need. Run by the verifier's
-# python where it has one (no shell or coreutils from the agent's filesystem), else by bash.
+# Local backend: empty /tests and /logs/verifier (mount points there); a symlink or file the agent put in their place
+# is removed first, so nothing is written through it; then the directories the tests need. Run by the host's
+# read-only python. (Docker: ``reset_dirs``, through the engine's archive API.)
 WIPE_PY = r"""
 import json, os, shutil, sys
 cfg = json.loads(sys.argv[1])
@@ -155,12 +156,6 @@ for d in ("/tests", "/logs/verifier"):
 for d in cfg["dirs"]:
     os.makedirs(d, exist_ok=True)
 """
-
-
-def _wipe_sh(dirs: list[str]) -> str:
-    return ("set -e; for d in /logs /tests /logs/verifier; do "
-            'if [ -L "$d" ] || { [ -e "$d" ] && [ ! -d "$d" ]; }; then rm -rf "$d"; fi; mkdir -p "$d"; done; '
-            "find /tests /logs/verifier -mindepth 1 -delete; mkdir -p " + " ".join(shlex.quote(d) for d in dirs))
 
 
 async def _write_tests(task: Task, sandbox: Sandbox) -> None:
@@ -274,8 +269,10 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
         return VerifierResult(score, kw.pop("passed", {}), kw.pop("weights", {}), output, time.monotonic() - t0,
                               error, outcome, toolchain=tc.label, **kw)
 
+    # Set for every process verification starts, over the image's own ENV (no BASH_ENV, no SSH_CLIENT; stdin is /dev/null or
+    # a pipe, never a socket: bash reads no start-up file), USER/LOGNAME so that getpass needs no passwd lookup
     env = {"TEST_DIR": "/tests", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "HOME": "/root", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "PATH": tc.exec_path()}
+           "PYTHONDONTWRITEBYTECODE": "1", "PATH": CLEAN_PATH, "USER": "root", "LOGNAME": "root"}
     if task.verifier_env:  # Harbor's [verifier] env (${VAR} from this process's environment)
         env = {**resolve_env(task.verifier_env, f"task {task.id}: [verifier]"), **env}
     phases = getattr(sandbox, "phase_network", None)
@@ -283,30 +280,38 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
         await sandbox.set_network(phases["verifier"])  # an engine error here is infrastructure, never a 0
     try:
         await sandbox.kill_all()
-        for i, cmd in enumerate(task.services):
+        census = await _census(sandbox)
+        scope = _scope(task, level, workdir, tc)
+        found = await _tamper_findings(sandbox, tc, scope)
+        if found:
+            more = f" (+{len(found) - 8} more)" if len(found) > 8 else ""
+            return result(0.0, "tampered", "the agent changed what the verifier runs: " + "; ".join(found[:8]) + more,
+                          tamper=tuple(found), census=census)
+        results = f"/logs/verifier/.{nonce}"
+        dirs = sorted({results, *(f"/tests/{rel}".rsplit("/", 1)[0] for rel in task.tests.files)} - {"/tests"})
+        reset = getattr(sandbox, "reset_dirs", None)
+        if reset is not None:  # Docker: through the engine's archive API, nothing of the container runs
+            if not (await sandbox.stat_paths([workdir])).get(workdir):
+                dirs.append(workdir)
+            await reset(["/tests", "/logs/verifier"], dirs)
+        else:  # local: /tests and /logs/verifier are mount points; the host's read-only python empties them
+            prep = await sandbox.exec([*tc.python(nonce), "-c", WIPE_PY, json.dumps({"dirs": [*dirs, workdir]})],
+                                      60, env={**env, **toolchain.START_ENV})
+            if prep.exit_code != 0:
+                return result(None, "verifier_error", f"could not prepare /tests and /logs/verifier: "
+                                                      f"{prep.output.strip()}", prep.output)
+        await _write_tests(task, sandbox)
+        for i, cmd in enumerate(task.services):  # the task's own services, started as its definition says
             r = await sandbox.exec(["bash", "-c", f"( {cmd} ) </dev/null >/tmp/.jaxrl-service-{i}.log 2>&1"], 120,
                                    env=env, workdir=workdir)
             if r.exit_code != 0:
                 return result(None, "verifier_error", f"service {i} ({cmd!r}) did not start: exit {r.exit_code}")
-        found = await _tamper_findings(task, sandbox, tc, level, workdir)
-        if found:
-            more = f" (+{len(found) - 8} more)" if len(found) > 8 else ""
-            return result(0.0, "tampered", "the agent changed what the verifier runs: " + "; ".join(found[:8]) + more,
-                          tamper=tuple(found))
-        results = f"/logs/verifier/.{nonce}"
-        dirs = sorted({results, workdir, *(f"/tests/{rel}".rsplit("/", 1)[0] for rel in task.tests.files)})
-        if tc.pristine:
-            prep = await sandbox.exec([*tc.python(nonce), "-c", WIPE_PY, json.dumps({"dirs": dirs})], 60,
-                                      env={**env, **toolchain.START_ENV})
-        else:
-            prep = await sandbox.exec(["bash", "-c", _wipe_sh(dirs)], 60, env=env)
-        if prep.exit_code != 0:
-            return result(None, "verifier_error", f"could not prepare /tests and /logs/verifier: {prep.output.strip()}",
-                          prep.output)
-        await _write_tests(task, sandbox)
         if runner == "pytest":
-            return await _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result)
-        return await _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result)
+            res = await _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result,
+                                    scope)
+        else:
+            res = await _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result)
+        return dataclasses.replace(res, census=census)
     except SandboxError as e:  # the sandbox broke under the verifier: checked on a fresh sandbox like any error
         if getattr(e, "engine_down", False):  # unless its engine died: infrastructure, no check (module doc)
             return result(None, "verifier_error", f"the sandbox's Docker engine stopped answering during "
@@ -314,25 +319,78 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
         return result(None, "verifier_error", f"the sandbox failed during verification: {e}")
 
 
-async def _tamper_findings(task: Task, sandbox: Sandbox, tc, level: str, workdir: str) -> list[str]:
+async def _census(sandbox: Sandbox) -> tuple[str, ...]:
+    """The processes alive once the agent's were killed, measured (Docker: ``docker top``, read by the engine's
+    host; local: the sandbox's cgroup or uid). Exactly the sandbox's own keep-alive must be left
+    (``own_processes``; a restarted container's init may take a moment to start it): anything else makes the
+    sandbox be killed again, and a survivor after that is an infrastructure error (retried, never scored)."""
+    processes = getattr(sandbox, "processes", None)
+    if processes is None:
+        return ()
+    own = tuple(sorted(getattr(sandbox, "own_processes", ())))
+    for attempt in range(2):
+        for _ in range(30):
+            procs = await processes()
+            names = tuple(sorted(p[2] for p in procs))
+            if names == own:
+                return names
+            if any(n not in own and not n.startswith("runc") for n in names):  # runc's init: an exec starting
+                break
+            await asyncio.sleep(0.1)
+        if attempt == 0:
+            await sandbox.kill_all()
+    raise SandboxError(f"processes other than the sandbox's own {own} are alive after killing the agent's: {procs}")
+
+
+def _scope(task: Task, level: str, workdir: str, tc) -> tamper.Scope:
+    """What the tests will execute and import, from the task's test files."""
+    sources = [b.data.decode(errors="replace") for rel, b in task.tests.files.items() if rel.endswith(".py")]
+    scripts = tuple(b.data.decode(errors="replace") for rel, b in task.tests.files.items() if rel.endswith(".sh"))
+    import_dirs = []
+    if "__init__.py" in task.tests.files:  # the tests are a package: pytest puts "/" on sys.path for them
+        import_dirs.append("/")
+    if any("sys.path" in src or "PYTHONPATH" in src for src in sources):  # the tests choose their own path
+        import_dirs.append(workdir)
+    modules = frozenset(tamper._module_name(posixpath.basename(rel)) for rel in task.tests.files
+                        if rel.endswith(".py") and "/" not in rel)
+    return tamper.Scope(level, workdir, scripts=scripts, test_imports=tamper.python_imports(sources),
+                        import_dirs=tuple(import_dirs), test_modules=modules,
+                        homes=tuple(tc.facts.get("homes") or ("/root",)))
+
+
+async def _tamper_findings(sandbox: Sandbox, tc, scope: tamper.Scope) -> list[str]:
     changes = await sandbox.changes()
-    commands = tamper.script_commands(b.data.decode(errors="replace") for rel, b in task.tests.files.items()
-                                      if rel.endswith(".sh")) if level == "script" else ()
-    found = tamper.findings(changes, tc.facts, level=level, workdir=workdir, commands=commands, tbin=tc.tbin)
-    if any(p == "/etc/ld.so.cache" and k != "D" for k, p in changes):
+    want_now, want_image = tamper.stat_requests(changes, tc.facts, scope)
+    now = await sandbox.stat_paths(want_now) if want_now and hasattr(sandbox, "stat_paths") else {}
+    image = await sandbox.image_stat_paths(want_image) if want_image and hasattr(sandbox, "image_stat_paths") else {}
+    entries, found = tamper.resolve(changes, now, image, scope)
+    texts = {}
+    for p in tamper.read_requests(entries, tc.facts, scope):
+        try:
+            texts[p] = await sandbox.read_file(p)
+        except SandboxError:
+            texts[p] = b"import pytest"  # unreadable (a directory, a dangling link): counted as code
+    found += tamper.findings(entries, tc.facts, scope, now=now, image=image, texts=texts)
+    if any(e.path == "/etc/ld.so.cache" and e.kind != "D" for e in entries):
         found += tamper.ldcache_redirects(await sandbox.read_file("/etc/ld.so.cache"), tc.facts)
-    if level == "script":
-        texts = {}
-        for p in tamper.pth_paths(changes, tc.facts):
-            try:
-                texts[p] = await sandbox.read_file(p)
-            except SandboxError:
-                texts[p] = b"import"  # unreadable (a directory, a dangling link): counted as code
-        found += tamper.pth_findings(texts)
-    return found
+    return list(dict.fromkeys(found))
 
 
-async def _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result):
+async def _agent_modules(task: Task, sandbox: Sandbox, tc, scope: tamper.Scope) -> bool:
+    """Whether the tests import a module that only the agent's work dir provides (then the work dir is appended to
+    their ``sys.path``, after everything else: it can add modules, never replace one)."""
+    known = set(tc.facts.get("stdlib_names") or ()) | set(tc.facts.get("startup_modules") or ()) | {
+        n for names in (tc.facts.get("site_names") or {}).values() for n in names} | {
+        tamper._module_name(posixpath.basename(rel)) for rel in task.tests.files} | set(tamper.ALWAYS_SHADOWABLE)
+    names = sorted(set(scope.test_imports) - known)
+    if not names or not hasattr(sandbox, "stat_paths"):
+        return bool(names)
+    wd = scope.workdir.rstrip("/")
+    st = await sandbox.stat_paths([p for n in names for p in (f"{wd}/{n}.py", f"{wd}/{n}")])
+    return any(v is not None for v in st.values())
+
+
+async def _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result, scope):
     if "pytest.ini" in task.tests.files:
         ini = "/tests/pytest.ini"
     else:
@@ -342,7 +400,9 @@ async def _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce
             "--confcutdir=/tests"]
     if tc.pristine:  # no locale file from the agent's filesystem at start-up; the tests get LANG back, not LC_ALL
         env = {**env, **toolchain.START_ENV}
-    runner = tc.runner(args, nonce, environ={k: None for k in toolchain.START_ENV} if tc.pristine else None)
+    late = [workdir] if await _agent_modules(task, sandbox, tc, scope) else []
+    runner = tc.runner(args, nonce, environ={k: None for k in toolchain.START_ENV} if tc.pristine else None,
+                       late=late)
     res = await sandbox.exec(runner, timeout_s, env=env, workdir=workdir,
                              stdin=f"{nonce}\n".encode())
     kind, payload, output = _tagged(res.output, nonce)

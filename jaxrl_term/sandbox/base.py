@@ -49,6 +49,28 @@ class SandboxLimits:
     disk_gb: float | None = None  # writable layer quota (Docker storage drivers that support it)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    """What a path is: ``kind`` dir / file / link / other, permission bits, a link's target (as the engine resolves
+    it), size."""
+
+    kind: str
+    mode: int
+    target: str = ""
+    size: int = 0
+
+    @classmethod
+    def from_engine(cls, raw: dict) -> Stat:
+        m = int(raw.get("mode", 0))  # Go's os.FileMode: type bits high, permission bits low
+        special = (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)  # device, pipe, socket, char, irregular
+        kind = "dir" if m & (1 << 31) else "link" if m & (1 << 27) else "other" if m & special else "file"
+        return cls(kind, m & 0o777, raw.get("linkTarget") or "", int(raw.get("size", 0)))
+
+    @property
+    def executable(self) -> bool:
+        return self.kind == "file" and bool(self.mode & 0o111)
+
+
 CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import io
+import json
 import logging
 import os
 import posixpath
@@ -33,7 +36,7 @@ import tarfile
 import uuid
 from pathlib import Path
 
-from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, on_forced_exit, tar_directory
+from jaxrl_term.sandbox.base import CommandResult, SandboxError, SandboxLimits, Stat, on_forced_exit, tar_directory
 from jaxrl_term.sandbox.confine import PidPressure
 from jaxrl_term.sandbox.shell import PersistentShell, kill_command, kill_tree_command
 
@@ -48,6 +51,7 @@ LABEL_PID = "jaxrl_term.pid"
 LABEL_PID_START = "jaxrl_term.pid_start"
 RUN_ID = os.environ.get("JAXRL_TERM_RUN_ID") or f"run-{uuid.uuid4().hex[:12]}"
 DROPPED_CAPS = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"]
+ROOT = "0:0"  # the exec's user by number: no lookup in the agent's /etc/passwd
 # The default "public" network: a bridge made on first use with inter-container traffic off (one sandbox cannot
 # reach another's services); egress as the engine's host allows. Name your own with sandbox.public_network.
 PUBLIC_NETWORK = "jaxrl-public"
@@ -360,7 +364,6 @@ async def attach_exec(api, exec_id: str):
         raw.setblocking(False)
         reader, writer = await asyncio.open_connection(sock=raw)
         return reader, writer, sock
-    import json
     import ssl
     import urllib.parse
 
@@ -450,7 +453,50 @@ class _Closer:
                 pass
 
 
+async def _stat_many(stat, paths: list[str], width: int = 16) -> dict:
+    sem = asyncio.Semaphore(width)
+
+    async def one(p):
+        async with sem:
+            return p, await _call(stat, p)
+
+    return dict(await asyncio.gather(*(one(p) for p in paths)))
+
+
+_IMAGE_STATS: dict[tuple[str, str], dict] = {}  # (engine URL, image id) -> path -> Stat | None (images never change)
+
+
+@contextlib.contextmanager
+def _reference_container(cl, image_id: str):
+    """A created, never started container of ``image_id`` (the image's files as they are) for the engine's stats;
+    removed on exit (labelled as this process's for the reaper meanwhile)."""
+    c = cl.containers.create(image_id, ["/nonexistent"], network_mode="none",
+                             labels={**owner_labels(), "jaxrl_term.reference": "1"})
+    try:
+        yield c.id
+    finally:
+        _quiet(c.remove, force=True)
+
+
+def tar_entries(entries) -> bytes:
+    """A tar of (relative name, data or None for a directory, mode), owner root."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data, mode in entries:
+            info = tarfile.TarInfo(name)
+            info.mode, info.uid, info.gid, info.uname, info.gname = mode, 0, 0, "root", "root"
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
 class DockerSandbox:
+    own_processes = ("docker-init", "pause")  # what is left after kill_all: docker-init and the toolkit's pause
+
     def __init__(self, container, limits: SandboxLimits, shell: PersistentShell):
         self.container, self.limits, self.shell = container, limits, shell
         self._closed = False
@@ -622,14 +668,17 @@ class DockerSandbox:
         from jaxrl_term.sandbox.base import CLEAN_PATH
         from jaxrl_term.sandbox.shell import OutputCapture
 
+        from jaxrl_term.sandbox import toolkit
+
         t0 = _time.monotonic()
-        # coreutils `timeout` inside the container: TERM at the deadline, KILL 2 s later, exit status 124.
-        wrapped = ["timeout", "-k", "2", f"{timeout_s:.3f}", *argv]
+        # the toolkit's static `timeout` (read-only mount, absolute path): TERM at the deadline, KILL 2 s later, exit
+        # status 124; uid 0 by number (no name lookup in the agent's /etc/passwd)
+        wrapped = [toolkit.TIMEOUT, "-k", "2", f"{timeout_s:.3f}", *argv]
         environment = {"PATH": CLEAN_PATH, **(env or {})}
         cap = OutputCapture(self.limits.max_output_bytes)
         if stdin is None:
             res = await _call(self.container.exec_run, wrapped, environment=environment,
-                              workdir=workdir or self.limits.workdir, user="root", demux=False)
+                              workdir=workdir or self.limits.workdir, user=ROOT, demux=False)
             cap.add(res.output or b"")
             code = res.exit_code
         else:
@@ -642,7 +691,7 @@ class DockerSandbox:
         """exec with ``data`` on the process's stdin (then EOF), output demultiplexed into ``cap``."""
         api = self.client.api
         exec_id = (await _call(api.exec_create, self.container.id, argv, stdin=True, stdout=True, stderr=True,
-                               tty=False, workdir=workdir, environment=environment, user="root"))["Id"]
+                               tty=False, workdir=workdir, environment=environment, user=ROOT))["Id"]
         reader, writer, sock = await attach_exec(api, exec_id)
         t = DockerExecTransport(reader, writer, sock, exec_id)
         try:
@@ -723,22 +772,85 @@ class DockerSandbox:
     def _abs(self, path: str) -> str:
         return path if path.startswith("/") else posixpath.join(self.limits.workdir, path)
 
-    async def _mkdir(self, path: str) -> None:
-        res = await _call(self.container.exec_run, ["mkdir", "-p", path], user="root")
-        if res.exit_code != 0:
-            raise SandboxError(f"mkdir -p {path}: {res.output.decode(errors='replace').strip()}")
+    # Files go in and out through the engine's archive API only: the engine resolves and writes paths itself,
+    # nothing of the container's (no ``mkdir``, no shell) runs.
+
+    def _stat_sync(self, path: str, container_id: str | None = None) -> Stat | None:
+        api = self.client.api
+        r = api.head(api._url("/containers/{0}/archive", container_id or self.container.id), params={"path": path})
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise SandboxError(f"stat {path}: the engine answered {r.status_code}")
+        raw = json.loads(base64.b64decode(r.headers["X-Docker-Container-Path-Stat"]))
+        return Stat.from_engine(raw)
+
+    async def stat_paths(self, paths) -> dict[str, Stat | None]:
+        """What each path is now (the engine's stat: the last component not followed, earlier links resolved inside
+        the container), None when it does not exist."""
+        return await _stat_many(self._stat_sync, list(paths))
+
+    async def image_stat_paths(self, paths) -> dict[str, Stat | None]:
+        """What each path is in the sandbox's image (a created, never started container of it; cached per image)."""
+        image = self.container.attrs["Image"]
+        cache = _IMAGE_STATS.setdefault((self.client.api.base_url, image), {})
+        todo = [p for p in dict.fromkeys(paths) if p not in cache]
+        if todo:
+            ref = contextlib.ExitStack()
+            ref_id = await _call(lambda: ref.enter_context(_reference_container(self.client, image)))
+            try:
+                cache.update(await _stat_many(functools.partial(self._stat_sync, container_id=ref_id), todo))
+            finally:
+                await asyncio.shield(_call(ref.close))
+        return {p: cache[p] for p in paths}
+
+    async def processes(self) -> list[tuple[int, int, str]]:
+        """(pid, ppid, command) of every process in the container, as the engine's host sees them (``docker top``:
+        the engine runs ``ps``; nothing in the container runs)."""
+        top = await _call(self.container.top, ps_args="-eo pid,ppid,comm")
+        return [(int(p[0]), int(p[1]), p[2]) for p in top.get("Processes") or []]
+
+    async def _missing_dirs(self, path: str) -> tuple[str, list[str]]:
+        """(the deepest existing directory of ``path``, the components below it that do not exist)."""
+        missing: list[str] = []
+        while path != "/":
+            st = await _call(self._stat_sync, path)
+            if st is not None:
+                if st.kind not in ("dir", "link"):  # a link: the engine follows it inside the container
+                    raise SandboxError(f"{path} exists and is not a directory")
+                break
+            path, name = posixpath.split(path)
+            missing.insert(0, name)
+        return path, missing
+
+    async def _put(self, at: str, entries: list[tuple[str, bytes | None, int]], what: str) -> None:
+        """Unpack ``entries`` ((relative name, data or None for a directory, mode), in order) at ``at``."""
+        if not await _call(self.container.put_archive, at, tar_entries(entries)):
+            raise SandboxError(f"{what}: the archive upload was refused")
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:
         path = self._abs(path)
         parent, name = posixpath.split(path)
-        await self._mkdir(parent)
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode = len(data), mode
-            tar.addfile(info, io.BytesIO(data))
-        if not await _call(self.container.put_archive, parent, buf.getvalue()):
-            raise SandboxError(f"write_file {path}: the archive upload was refused")
+        base, missing = await self._missing_dirs(parent)
+        dirs = [("/".join(missing[:i + 1]), None, 0o755) for i in range(len(missing))]
+        await self._put(base, [*dirs, (posixpath.join(*missing, name), data, mode)], f"write_file {path}")
+
+    async def reset_dirs(self, wipe: list[str], make: list[str]) -> None:
+        """Empty the directories ``wipe`` and create the directories ``make`` (absolute, under ``/``) through the
+        archive API alone: a regular file unpacked over a directory (or a link) removes it with everything below it,
+        without following links; a directory unpacked over a link or file replaces it. Nothing runs in the
+        container (the verifier's ``/tests`` and ``/logs/verifier``)."""
+        rel = lambda p: p.strip("/")  # noqa: E731
+        await self._put("/", [(rel(d), b"", 0o644) for d in wipe], "reset_dirs")
+        made, entries = set(), []
+        for d in [*wipe, *make]:
+            parts = rel(d).split("/")
+            for i in range(len(parts)):
+                sub = "/".join(parts[:i + 1])
+                if sub not in made:
+                    made.add(sub)
+                    entries.append((sub, None, 0o755))
+        await self._put("/", entries, "reset_dirs")
 
     async def read_file(self, path: str) -> bytes:
         import docker
@@ -759,7 +871,10 @@ class DockerSandbox:
 
     async def upload_dir(self, local_dir: str | os.PathLike, remote_dir: str) -> None:
         remote_dir = self._abs(remote_dir)
-        await self._mkdir(remote_dir)
+        base, missing = await self._missing_dirs(remote_dir)
+        if missing:
+            await self._put(base, [("/".join(missing[:i + 1]), None, 0o755) for i in range(len(missing))],
+                            f"upload_dir {remote_dir}")
         data = tar_directory(Path(local_dir))
         if not await _call(self.container.put_archive, remote_dir, data):
             raise SandboxError(f"upload_dir {local_dir} -> {remote_dir}: the archive upload was refused")

@@ -38,6 +38,7 @@ import posixpath
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from pathlib import Path
 from jaxrl_term.sandbox import beneath
 from jaxrl_term.sandbox import confine as cf
 from jaxrl_term.sandbox import local_dirs as dirs
-from jaxrl_term.sandbox.base import CLEAN_PATH, CommandResult, SandboxError, SandboxLimits, SandboxLost
+from jaxrl_term.sandbox.base import CLEAN_PATH, CommandResult, SandboxError, SandboxLimits, SandboxLost, Stat
 from jaxrl_term.sandbox.local_dirs import reap  # noqa: F401 - the backend's reaper, for callers and the CLI
 from jaxrl_term.sandbox.shell import OutputCapture, PersistentShell
 
@@ -141,6 +142,8 @@ USERNS_HINT = (
 
 
 class LocalSandbox:
+    own_processes = ()  # nothing of the sandbox's own is left after kill_all
+
     def __init__(self, limits: SandboxLimits, root: Path, confinement: cf.Confinement):
         self.limits, self.root, self.confine = limits, root, confinement
         self.work, self.tmp = root / "work", root / "tmp"
@@ -404,6 +407,42 @@ class LocalSandbox:
             if found:
                 out += [("C", inside), *(("A", posixpath.join(inside, rel)) for rel in found)]
         return out
+
+    async def processes(self) -> list[tuple[int, int, str]]:
+        """(pid, ppid, command) of every process of the sandbox's confinement (its cgroup or its uid)."""
+        def read() -> list[tuple[int, int, str]]:
+            out = []
+            for pid in self.confine.members():
+                try:
+                    line = Path(f"/proc/{pid}/stat").read_text()
+                except OSError:
+                    continue
+                out.append((pid, int(line.rsplit(")", 1)[1].split()[1]), line[line.index("(") + 1:line.rindex(")")]))
+            return out
+
+        return await asyncio.to_thread(read)
+
+    async def stat_paths(self, paths) -> dict[str, Stat | None]:
+        """What each path under the writable directories is (no link followed), None when absent or elsewhere."""
+        def one(path: str):
+            where = self._locate(path)
+            if where is None:
+                return None
+            host, parts = where
+            try:
+                st = os.lstat(host.joinpath(*parts))
+            except OSError:
+                return None
+            kind = "dir" if stat.S_ISDIR(st.st_mode) else "link" if stat.S_ISLNK(st.st_mode) else \
+                "file" if stat.S_ISREG(st.st_mode) else "other"
+            target = os.readlink(host.joinpath(*parts)) if kind == "link" else ""
+            return Stat(kind, st.st_mode & 0o777, target, st.st_size)
+
+        return await asyncio.to_thread(lambda: {p: one(p) for p in paths})
+
+    async def image_stat_paths(self, paths) -> dict[str, Stat | None]:
+        """The writable directories start empty and the rest cannot change: nothing was there in the "image"."""
+        return {p: None for p in paths}
 
     # -- files ------------------------------------------------------------------------------------
     def _locate(self, path: str) -> tuple[Path, list[str]] | None:

@@ -5,8 +5,10 @@ agent could have written.
 Docker: a named volume per image id (``jaxrl-pytool-<hash>-<image id>``), filled once by a one-shot container of
 the image (``pristine/probe.py``): the interpreter, its stdlib and lib-dynload, every shared library they load and
 the dynamic loader, pytest with what a pytest session imports (the image's own pytest 7+, else the host venv's
-pure-Python pytest / pluggy / iniconfig / packaging), the image's bytecode for all of it, and a static ``timeout``
-(``tbin/``: ``DockerSandbox.exec`` wraps every command in ``timeout``, found first on the exec's ``PATH``). A second
+pure-Python pytest / pluggy / iniconfig / packaging) and the image's bytecode for all of it. The copied loader and
+libc never read the agent's ``/etc/ld.so.preload`` or ``/etc/nsswitch.conf``: the probe points those two file names
+at paths inside the read-only volume that do not exist (same length, patched in the copies), so no library the
+agent names is preloaded and no NSS module is loaded by name lookups in the tests' process. A second
 one-shot container (``pristine/validate.py``) checks through the copy that nothing is loaded from outside the
 volume. Sandboxes mount it at ``MOUNT``; the verifier starts Python as::
 
@@ -17,8 +19,7 @@ never used; it starts with ``LC_ALL=C`` (``START_ENV``): glibc's built-in locale
 ``gconv-modules.cache`` (which names modules to ``dlopen``) from the agent's filesystem, and Python skips its C-locale
 coercion; ``-I -S``: no environment variables, no ``site``, so no ``.pth``, ``sitecustomize`` or user site;
 bytecode only from the volume). The image's own ``sys.path`` entries (site-packages) are appended after the
-pristine paths by the runner. ``/etc/ld.so.preload`` is the one file the loader still reads from the agent's
-filesystem: the tamper check covers it.
+pristine paths by the runner.
 
 When an image's Python cannot be copied (no ``python3``, older than 3.8, a copy that loads files from outside the
 volume, no usable pytest anywhere) the toolchain says why (``reason``) and the runner uses the image's own
@@ -42,7 +43,6 @@ import os
 import shutil
 import subprocess
 import tarfile
-import tempfile
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,85 +53,14 @@ from jaxrl_term.sandbox.pristine import source
 log = logging.getLogger(__name__)
 
 MOUNT = "/opt/jaxrl-py"
-TBIN = f"{MOUNT}/tbin"
-VERSION = 1
+VERSION = 2
 LABEL = "jaxrl_term.toolchain"
 
-TIMEOUT_C = r"""
-/* timeout -k KILL_AFTER DURATION COMMAND [ARG]...: the verifier's exec wrapper, coreutils' exit statuses (124 timed
-   out, 125 own failure, 126 cannot execute, 127 not found, 128+N killed by signal N). The command runs in timeout's
-   own process group: at DURATION the group gets SIGTERM, KILL_AFTER later SIGKILL. Found first on the exec's PATH
-   (TBIN), which it removes from PATH for the command. Static: no loader or libc from the agent's filesystem. */
-#define _GNU_SOURCE
-#include <errno.h>
-#include <signal.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/time.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-extern char **environ;
-static volatile sig_atomic_t phase;
-static pid_t child;
-static double kill_after;
-
-static void arm(double s) {
-    struct itimerval t;
-    memset(&t, 0, sizeof t);
-    t.it_value.tv_sec = (time_t)s;
-    t.it_value.tv_usec = (suseconds_t)((s - (double)(time_t)s) * 1e6);
-    if (t.it_value.tv_sec == 0 && t.it_value.tv_usec == 0) t.it_value.tv_usec = 1;
-    setitimer(ITIMER_REAL, &t, 0);
-}
-
-static void on_alarm(int sig) {
-    (void)sig;
-    if (phase == 0) {
-        phase = 1;
-        kill(child, SIGTERM);
-        kill(0, SIGTERM);
-        if (kill_after > 0) arm(kill_after);
-    } else {
-        kill(child, SIGKILL);
-        kill(0, SIGKILL);
-    }
-}
-
-int main(int argc, char **argv) {
-    int i = 1;
-    if (i + 1 < argc && strcmp(argv[i], "-k") == 0) { kill_after = strtod(argv[i + 1], 0); i += 2; }
-    if (i + 1 >= argc) return 125;
-    double duration = strtod(argv[i++], 0);
-    const char *prefix = "PATH=" TBIN ":";
-    for (char **e = environ; *e; e++)
-        if (strncmp(*e, prefix, strlen(prefix)) == 0) memmove(*e + 5, *e + strlen(prefix), strlen(*e + strlen(prefix)) + 1);
-    setpgid(0, 0);
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_alarm;
-    sigaction(SIGALRM, &sa, 0);
-    child = fork();
-    if (child < 0) return 125;
-    if (child == 0) {
-        signal(SIGALRM, SIG_DFL);
-        execvp(argv[i], argv + i);
-        _exit(errno == ENOENT ? 127 : 126);
-    }
-    signal(SIGTERM, SIG_IGN);  /* the group's SIGTERM is for the command */
-    if (duration > 0) arm(duration);
-    int status;
-    while (waitpid(child, &status, 0) < 0)
-        if (errno != EINTR) return 125;
-    if (phase) return 124;
-    if (WIFEXITED(status)) return WEXITSTATUS(status);
-    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-    return 125;
-}
-"""
 
 # The host venv's pytest, copied into the volume when the image has no pytest 7+ (pure Python).
 HOST_PYTEST = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "pygments")
+# imported from the pristine paths only (the runner's Guard), with the standard library's names
+GUARDED = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "exceptiongroup", "tomli", "colorama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +71,7 @@ class Toolchain:
     start-up is writable by the agent; ``reason``: why not; ``roots``: the runner refuses to run when a start-up
     ``sys.path`` entry lies outside these; ``pre`` / ``append``: added after the start-up path (the pristine pytest)
     / after everything (the image's own site dirs); ``executable``: ``sys.executable`` for the tests (the image's
-    python); ``facts``: the probe's report (``reward/tamper.py``); ``tbin``: the exec's ``timeout`` comes from the
-    volume."""
+    python); ``facts``: the probe's report (``reward/tamper.py``)."""
 
     argv: tuple[str, ...]
     pristine: bool
@@ -154,14 +82,10 @@ class Toolchain:
     executable: str | None = None
     facts: Mapping = dataclasses.field(default_factory=dict)
     volume: str | None = None
-    tbin: bool = False
 
     @property
     def label(self) -> str:
         return "pristine" if self.pristine else f"image python ({self.reason})"
-
-    def exec_path(self) -> str:
-        return f"{TBIN}:{CLEAN_PATH}" if self.tbin else CLEAN_PATH
 
     def python(self, nonce: str) -> list[str]:
         """The interpreter argv; a fallback to the image's python reads bytecode only from a fresh directory."""
@@ -169,8 +93,11 @@ class Toolchain:
             return list(self.argv)
         return [*self.argv, "-X", f"pycache_prefix=/tmp/.jrt-pyc-{nonce[:16]}"]
 
-    def runner(self, pytest_args: list[str], nonce: str, environ: Mapping[str, str | None] | None = None) -> list[str]:
-        cfg = {"roots": list(self.roots), "pre": list(self.pre), "append": list(self.append),
+    def runner(self, pytest_args: list[str], nonce: str, environ: Mapping[str, str | None] | None = None,
+               late: list[str] | tuple[str, ...] = ()) -> list[str]:
+        """``late``: directories appended after everything else (the agent's work dir, for tests that import it)."""
+        cfg = {"roots": list(self.roots), "pre": list(self.pre), "append": list(self.append), "late": list(late),
+               "guard": sorted({*(self.facts.get("pytest") or {}).get("deps", ()), *GUARDED}) if self.pristine else [],
                "executable": self.executable, "path": CLEAN_PATH, "args": pytest_args, "environ": dict(environ or {})}
         return [*self.python(nonce), "-c", source("runner.py"), json.dumps(cfg)]
 
@@ -178,12 +105,12 @@ class Toolchain:
         return image_fallback(self.facts, why, None)
 
 
-def image_fallback(facts: Mapping, reason: str, volume: str | None, tbin: bool = False) -> Toolchain:
+def image_fallback(facts: Mapping, reason: str, volume: str | None) -> Toolchain:
     """The image's own python by absolute path with ``-I -S`` (the tamper check covers its files)."""
     if facts.get("append") is None:  # not even probed: the image's python with its site, by PATH
-        return Toolchain(("python3", "-I", "-B"), False, reason, facts=facts, volume=volume, tbin=tbin)
+        return Toolchain(("python3", "-I", "-B"), False, reason, facts=facts, volume=volume)
     return Toolchain((facts.get("executable") or "python3", "-I", "-S", "-B"), False, reason,
-                     append=tuple(facts["append"]), facts=facts, volume=volume, tbin=tbin)
+                     append=tuple(facts["append"]), facts=facts, volume=volume)
 
 
 def _cache_dir() -> Path:
@@ -224,31 +151,8 @@ def _host_pytest_requires() -> tuple[int, int]:
 def _hash() -> str:
     import pytest
 
-    parts = [str(VERSION), source("probe.py"), source("validate.py"), TIMEOUT_C, pytest.__version__]
+    parts = [str(VERSION), source("probe.py"), source("validate.py"), pytest.__version__]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
-
-
-@functools.lru_cache(maxsize=1)
-def timeout_binary() -> bytes | None:
-    """The static ``timeout`` (built once per host with gcc), or None when it cannot be built here."""
-    out = _cache_dir() / f"timeout-{hashlib.sha256(TIMEOUT_C.encode()).hexdigest()[:12]}"
-    if out.is_file():
-        return out.read_bytes()
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None:
-        log.warning("no C compiler: the verifier's exec uses the image's `timeout` (covered by the tamper check)")
-        return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        (Path(tmp) / "timeout.c").write_text(TIMEOUT_C)
-        proc = subprocess.run([gcc, "-O2", "-static", f'-DTBIN="{TBIN}"', "-o", "timeout", "timeout.c"], cwd=tmp,
-                              capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            log.warning("static `timeout` could not be built (%s); the verifier's exec uses the image's `timeout` "
-                        "(covered by the tamper check)", proc.stderr.strip()[-300:])
-            return None
-        os.replace(Path(tmp) / "timeout", out)
-    return out.read_bytes()
 
 
 # --------------------------------------------------------------------------------------------- Docker
@@ -325,10 +229,7 @@ def _fill(cl, image_id: str, volume: str) -> dict:
     import docker
 
     cl.volumes.create(volume, labels={LABEL: image_id})
-    tbin = timeout_binary()
-    if tbin is not None:
-        _put(cl, image_id, volume, {"tbin/timeout": (tbin, 0o755)})
-    manifest = {"version": VERSION, "image": image_id, "tbin": tbin is not None, "pristine": False}
+    manifest = {"version": VERSION, "image": image_id, "pristine": False}
     try:
         code, logs = _run_once(cl, image_id, volume, "/vol", "rw", ["python3"],
                                ["-c", source("probe.py"), json.dumps({"vol": "/vol", "mount": MOUNT})])
@@ -391,12 +292,12 @@ def _ensure(image_id: str) -> Toolchain:
                         "the tamper check only", image_id[:19], manifest["reason"])
     facts = manifest.get("facts") or {}
     if not manifest["pristine"]:
-        return image_fallback(facts, manifest["reason"], volume, manifest.get("tbin", False))
+        return image_fallback(facts, manifest["reason"], volume)
     so = f"{MOUNT}/so"
     loader = [f"{so}/ld.so", "--library-path", so] if facts.get("loader") else []
     argv = (*loader, f"{MOUNT}/bin/python3", "-I", "-S", "-B", "-X", f"pycache_prefix={MOUNT}/pycache")
     return Toolchain(argv, True, "", (MOUNT,), (f"{MOUNT}/pytest",), tuple(facts["append"]), facts["executable"],
-                     facts, volume, manifest.get("tbin", False))
+                     facts, volume)
 
 
 def prune(*, all_images: bool = False, min_age_s: float = 3600.0) -> int:

@@ -16,8 +16,12 @@ none of it comes from the agent's writable filesystem.
 * ``pause``: a static keep-alive (the container's main process under docker-init) that cannot be swapped for a
   script: ``tail -f /dev/null`` from the image could be replaced by the agent with something that runs again
   when the container restarts for verification.
+* ``timeout``: the wrapper of every ``Sandbox.exec`` (the verifier's included), started by absolute path, linked
+  statically against the host's glibc: a deadline that no ``timeout``, loader or libc of the agent's filesystem
+  can replace.
 
-Both are compiled from the C sources below by the host's ``gcc`` (``-nostdlib``: no libc, any Linux image), into
+They are compiled from the C sources below by the host's ``gcc`` (``-nostdlib``: no libc, any Linux image; ``timeout``
+static against glibc's ``libc.a``), into
 ``cache_dir/toolkit/<hash>``; Docker sandboxes mount a named volume holding the same files read-only.
 """
 
@@ -41,8 +45,10 @@ MOUNT = "/opt/jaxrl"
 NODUMP = f"{MOUNT}/nodump.so"
 PAUSE = f"{MOUNT}/pause"
 SOCKIN = f"{MOUNT}/sockin"
+TIMEOUT = f"{MOUNT}/timeout"
 BASH_PATHS = "/bin/bash:/usr/bin/bash:/usr/local/bin/bash"
-VERSION = 2
+VERSION = 3
+NAMES = ("nodump.so", "pause", "sockin", "timeout")
 
 _SYSCALL = r"""
 static long sys2(long n, long a, long b) {
@@ -190,12 +196,82 @@ __attribute__((used, noreturn)) void start_c(long *sp) {
 """
 
 
+TIMEOUT_C = r"""
+/* timeout -k KILL_AFTER DURATION COMMAND [ARG]...: the verifier's exec wrapper, coreutils' exit statuses (124 timed
+   out, 125 own failure, 126 cannot execute, 127 not found, 128+N killed by signal N). The command runs in timeout's
+   own process group: at DURATION the group gets SIGTERM, KILL_AFTER later SIGKILL. Started by absolute path
+   (toolkit.TIMEOUT). Static: no loader or libc from the agent's filesystem. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t phase;
+static pid_t child;
+static double kill_after;
+
+static void arm(double s) {
+    struct itimerval t;
+    memset(&t, 0, sizeof t);
+    t.it_value.tv_sec = (time_t)s;
+    t.it_value.tv_usec = (suseconds_t)((s - (double)(time_t)s) * 1e6);
+    if (t.it_value.tv_sec == 0 && t.it_value.tv_usec == 0) t.it_value.tv_usec = 1;
+    setitimer(ITIMER_REAL, &t, 0);
+}
+
+static void on_alarm(int sig) {
+    (void)sig;
+    if (phase == 0) {
+        phase = 1;
+        kill(child, SIGTERM);
+        kill(0, SIGTERM);
+        if (kill_after > 0) arm(kill_after);
+    } else {
+        kill(child, SIGKILL);
+        kill(0, SIGKILL);
+    }
+}
+
+int main(int argc, char **argv) {
+    int i = 1;
+    if (i + 1 < argc && strcmp(argv[i], "-k") == 0) { kill_after = strtod(argv[i + 1], 0); i += 2; }
+    if (i + 1 >= argc) return 125;
+    double duration = strtod(argv[i++], 0);
+    setpgid(0, 0);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_alarm;
+    sigaction(SIGALRM, &sa, 0);
+    child = fork();
+    if (child < 0) return 125;
+    if (child == 0) {
+        signal(SIGALRM, SIG_DFL);
+        execvp(argv[i], argv + i);
+        _exit(errno == ENOENT ? 127 : 126);
+    }
+    signal(SIGTERM, SIG_IGN);  /* the group's SIGTERM is for the command */
+    if (duration > 0) arm(duration);
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR) return 125;
+    if (phase) return 124;
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return 125;
+}
+"""
+
+
 class ToolkitError(RuntimeError):
     """The toolkit cannot be built here (the message names what is missing)."""
 
 
 def _hash() -> str:
-    return hashlib.sha256(f"{VERSION}/{platform.machine()}/{NODUMP_C}/{PAUSE_C}/{SOCKIN_C}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{VERSION}/{platform.machine()}/{NODUMP_C}/{PAUSE_C}/{SOCKIN_C}/{TIMEOUT_C}".encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
@@ -204,9 +280,9 @@ def cache_root() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def ensure_host_dir() -> Path:
-    """Build (once) and return the host directory holding ``nodump.so``, ``pause`` and ``sockin``."""
+    """Build (once) and return the host directory holding ``nodump.so``, ``pause``, ``sockin`` and ``timeout``."""
     out = cache_root() / _hash()
-    if all((out / n).is_file() for n in ("nodump.so", "pause", "sockin")):
+    if all((out / n).is_file() for n in NAMES):
         return out
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
@@ -217,16 +293,20 @@ def ensure_host_dir() -> Path:
         (tmp / "nodump.c").write_text(NODUMP_C)
         (tmp / "pause.c").write_text(PAUSE_C)
         (tmp / "sockin.c").write_text(SOCKIN_C)
+        (tmp / "timeout.c").write_text(TIMEOUT_C)
         common = ["-O2", "-nostdlib", "-fno-stack-protector", "-fno-builtin"]
         for argv in ([gcc, *common, "-fPIC", "-shared", "-o", "nodump.so", "nodump.c"],
                      [gcc, *common, "-static", "-fno-pie", "-no-pie", "-o", "pause", "pause.c"],
-                     [gcc, *common, "-static", "-fno-pie", "-no-pie", "-o", "sockin", "sockin.c"]):
+                     [gcc, *common, "-static", "-fno-pie", "-no-pie", "-o", "sockin", "sockin.c"],
+                     [gcc, "-O2", "-static", "-o", "timeout", "timeout.c"]):  # glibc's libc.a (libc6-dev)
             proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
-                raise ToolkitError(f"building the sandbox toolkit failed: {' '.join(argv)}\n{proc.stderr[-2000:]}")
-        for name in ("nodump.c", "pause.c", "sockin.c"):
+                raise ToolkitError(f"building the sandbox toolkit failed: {' '.join(argv)}\n{proc.stderr[-2000:]}"
+                                   + ("\n(a static libc is needed: apt-get install libc6-dev)" if "timeout" in argv
+                                      else ""))
+        for name in ("nodump.c", "pause.c", "sockin.c", "timeout.c"):
             (tmp / name).unlink()
-        for name in ("nodump.so", "pause", "sockin"):
+        for name in NAMES:
             (tmp / name).chmod(0o755)
         try:
             tmp.rename(out)

@@ -105,6 +105,23 @@ def pytest_session():
     return version, rc
 
 
+def patch(path, name, mount):
+    """Point the C string ``name`` in the copy at ``path`` to a path of the same length inside the read-only
+    ``mount`` that does not exist: the loader then preloads nothing (``/etc/ld.so.preload``) and libc uses its
+    built-in name-service defaults (``/etc/nsswitch.conf``), whatever the agent writes there. Returns the names
+    patched."""
+    repl = (mount.rstrip("/") + "/" + "-" * len(name)).encode()[:len(name)]
+    if not repl.startswith(mount.encode() + b"/-"):
+        raise ValueError(f"the toolchain mount {mount!r} is too long to patch {name!r}")
+    with open(path, "rb") as f:
+        data = f.read()
+    if name + b"\0" not in data:
+        return []
+    with open(path, "wb") as f:
+        f.write(data.replace(name + b"\0", repl + b"\0"))
+    return [name.decode()]
+
+
 def under(path, dirs):
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
@@ -156,6 +173,13 @@ def main(cfg):
     out["site_names"] = {d: top_names(d) for d in site_dirs}
     out["path_dirs"] = [d for d in os.environ.get("PATH", "").split(":") if d.startswith("/")]
     try:
+        import pwd
+
+        homes = {p.pw_dir for p in pwd.getpwall() if p.pw_dir.startswith(("/root", "/home/"))}
+    except (ImportError, KeyError, OSError):
+        homes = set()
+    out["homes"] = sorted(homes | {"/root"})
+    try:
         with open("/etc/ld.so.cache", "rb") as f:
             out["ldcache"] = base64.b64encode(f.read()).decode()
     except OSError:
@@ -164,6 +188,7 @@ def main(cfg):
     version, rc = pytest_session()
     out["startup_modules"] = sorted({n.split(".")[0] for n in sys.modules})
     out["initial_modules"] = INITIAL
+    out["stdlib_names"] = sorted(getattr(sys, "stdlib_module_names", ()))  # 3.10+
     deps = {}
     for name in out["startup_modules"]:
         f = getattr(sys.modules.get(name), "__file__", None)
@@ -206,6 +231,7 @@ def main(cfg):
     files = set()
     if loader:
         shutil.copy2(os.path.realpath(loader), os.path.join(vol, "so", "ld.so"))
+        out["patched"] = patch(os.path.join(vol, "so", "ld.so"), b"/etc/ld.so.preload", mount)
         sos = [exe] + [os.path.join(r, n) for r, _, ns in os.walk(os.path.join(lib, "lib-dynload")) for n in ns
                        if ".so" in n]
         libs = {}
@@ -216,6 +242,8 @@ def main(cfg):
                 libs.setdefault("libgcc_s.so.1", os.path.join(d, "libgcc_s.so.1"))
         for name, target in libs.items():
             shutil.copy2(os.path.realpath(target), os.path.join(vol, "so", name))
+            if name.startswith("libc.so"):
+                out["patched"] += patch(os.path.join(vol, "so", name), b"/etc/nsswitch.conf", mount)
         out["libs"] = libs
         files |= {loader, os.path.realpath(loader)}
         files |= set(libs.values()) | {os.path.realpath(p) for p in libs.values()}

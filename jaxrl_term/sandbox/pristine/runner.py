@@ -10,7 +10,9 @@ the captured output follows.
 
 config: ``roots`` (every sys.path entry at start must lie under one of them; empty: not checked), ``pre`` (added
 after the start-up path: the pristine pytest), ``append`` (the image's own sys.path entries, after everything
-else; their ``.pth`` files contribute directory lines, never ``import`` lines), ``executable`` (``sys.executable``
+else; their ``.pth`` files contribute directory lines, never ``import`` lines), ``late`` (after those: the agent's
+work dir when the tests import a module only it provides: it can add a module, never hide one), ``guard`` (module
+names, besides the standard library's, found only on the pristine paths: pytest's), ``executable`` (``sys.executable``
 for the tests: the image's python), ``path`` (``PATH`` for the tests), ``environ`` (variables set, or unset when null, for the tests after start-up:
 the interpreter starts with ``LC_ALL=C`` so that glibc loads no locale or gconv file from the agent's filesystem, and
 the tests get the task's locale back), ``args`` (pytest's arguments).
@@ -48,6 +50,36 @@ def with_pth(dirs):
                 if os.path.isdir(p) and p not in out:
                     out.append(p)
     return out
+
+
+class Guard:
+    """A meta-path finder, first in line: a module named like one of the standard library's (any platform's: Python
+    and pytest probe for ``_wmi``, ``msvcrt``, ... and carry on without them) or like pytest's own is imported from
+    the pristine paths or not at all, never from the directories appended after them (the image's site dirs, the
+    agent's work dir), where the agent could have put one the stdlib lacks."""
+
+    def __init__(self, paths, extra):
+        import importlib.machinery
+
+        names = getattr(sys, "stdlib_module_names", None) or set(sys.builtin_module_names) | {
+            "msvcrt", "winreg", "_winapi", "nt", "_wmi", "_overlapped", "winsound", "_msi", "_winreg"}
+        self.names, self.paths = set(names) | set(extra), list(paths)
+        self.finder = importlib.machinery.PathFinder
+
+    def find_spec(self, name, path=None, target=None):
+        if path is not None or name not in self.names or name in sys.builtin_module_names:
+            return None  # a submodule follows its package; builtins and other top-level names: the normal path
+        import importlib.machinery
+
+        if importlib.machinery.FrozenImporter.find_spec(name) is not None:
+            return None
+        spec = self.finder.find_spec(name, self.paths, target)
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return spec
+
+    def invalidate_caches(self):
+        pass
 
 
 class Drain:
@@ -115,7 +147,10 @@ def main():
     if foreign:
         emit("ERROR", json.dumps(f"sys.path outside the verifier's toolchain {roots}: {foreign}"))
         return 3
-    sys.path[:] = [p for p in sys.path if p] + cfg["pre"] + with_pth(cfg["append"])
+    pristine = [p for p in sys.path if p] + cfg["pre"]
+    sys.path[:] = pristine + with_pth(cfg["append"])
+    sys.path += [p for p in cfg.get("late") or () if p not in sys.path]
+    sys.meta_path.insert(0, Guard(pristine, cfg.get("guard") or ()))
     if cfg.get("executable"):
         sys.executable = cfg["executable"]
     os.environ["PATH"] = cfg["path"]
