@@ -28,7 +28,8 @@ from jaxrl_term.tasks.formats import load_tasks
 from jaxrl_term.tasks.task import FileBlob, Solution
 from jaxrl_term.tasks.task import Tests as TaskTests
 
-RUNNERS = ["built-in pytest", "Harbor test.sh", "TB1 run-tests.sh", "exported Harbor pytest"]
+RUNNERS = ["built-in pytest", "Harbor test.sh", "TB1 run-tests.sh", "exported Harbor pytest",
+           "Harbor test.sh with tools"]
 # Positive control: the attacks that fooled the verifier as it was before this hardening (scored 1.0 with no work),
 # measured per runner and backend. On the local backend the system is read-only to the agent; races through the
 # writable /tests, /logs and work dir worked there.
@@ -115,7 +116,7 @@ def test_every_attack_scores_0_or_is_flagged_and_the_naive_verifier_was_fooled(b
     assert not bad, bad
     assert not [a for a in attempts if a.outcome == "verifier_error"]
     fooled = {a.attack for a in attempts if a.naive == 1.0}
-    expected = FOOLED_BEFORE[runner, backend]
+    expected = FOOLED_BEFORE.get((runner, backend), set())
     races = {a.attack for a in attempts if a.cls == "race"}
     # the attacks are real (races against the naive verifier are timing-dependent: they fooled it in the measured
     # runs, experiments/results/integrity_attacks.md, but are not required to land in every run)
@@ -139,6 +140,28 @@ def test_honest_oracle_still_scores_1_on_the_pristine_toolchain(backend, runner,
     res = run(go())
     assert (res.outcome, res.score, res.tamper) == ("scored", 1.0, ()), res.error
     assert res.toolchain == "pristine"
+
+
+# what honest agents do that is closest to tampering (tests/integrity_honest.py measures all 26 on every runner)
+HONEST_RISKY = ["venv in /app + local package", "venv in /opt + setuptools + local package",
+                "pytest config in /app/pyproject.toml", "git init in /app + git config --global",
+                "symlink /usr/local/bin/mytool -> /app/tool.sh", "pip install -e (system site)"]
+
+
+def test_honest_agents_doing_what_looks_like_tampering_are_not_flagged(docker_client):
+    """No false alarm on honest work that looks like tampering, on the pristine runner and the script runners
+    whose scripts run pip, git and pytest; the one documented exception is an import-line ``.pth`` in the system
+    site (an editable install) under a script runner: that script's python would run it."""
+    import integrity_honest as ih
+
+    results = run(ih.measure(("docker",), jobs=3, actions=HONEST_RISKY,
+                             runners=["built-in pytest", "TB1 run-tests.sh", "Harbor test.sh with tools"]))
+    assert all(h.counted for h in results), [(h.action, h.runner, h.error, h.step_output) for h in results
+                                              if not h.counted]
+    fp = {(h.action, h.runner) for h in results if h.false_positive}
+    assert fp == {("pip install -e (system site)", "TB1 run-tests.sh"),
+                  ("pip install -e (system site)", "Harbor test.sh with tools")}, [
+        (h.action, h.runner, h.tamper) for h in results if h.false_positive]
 
 
 def test_tests_that_import_the_agents_code_are_not_protected(docker_client):

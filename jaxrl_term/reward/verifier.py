@@ -4,17 +4,24 @@ The agent is root in its sandbox and an optimiser: anything the verifier runs fr
 it reads back, any process the agent left running is a way to forge a result. The order:
 
 1. ``kill_all()``: every process the agent started dies (Docker: the container restarts, files kept; local: the
-   sandbox's processes are killed); the task's declared ``services`` are started again from its definition.
-2. Tamper check (``reward/tamper.py``): ``changes()`` since the sandbox was created, against what the runner below
-   will execute; any finding is the outcome ``tampered`` (score 0) and nothing runs.
-3. ``/tests`` and ``/logs/verifier`` wiped, the task's tests copied in from the ``Task``.
-4. The tests, in a fresh process as root with a clean environment (``Sandbox.exec``):
+   sandbox's processes are killed); then the census (``_census``): the processes alive are listed (Docker: ``docker
+   top``, by the engine's host) and must be exactly the sandbox's own keep-alive (``VerifierResult.census``).
+2. Tamper check (``reward/tamper.py``): the engine's diff since the sandbox was created, resolved by the engine's
+   stats of what each changed path is now and was in the image (``stat_paths`` / ``image_stat_paths``), against
+   what the runner below will execute; any finding is the outcome ``tampered`` (score 0) and nothing runs.
+3. ``/tests`` and ``/logs/verifier`` emptied and the task's tests written in, through the engine's archive API
+   (``reset_dirs``, ``write_file``: nothing of the container runs; a link is replaced, never followed); the
+   task's declared ``services`` started again from its definition.
+4. The tests, in a fresh process as root (uid 0 by number) with our environment, wrapped by the toolkit's static
+   ``timeout`` (``Sandbox.exec``):
 
    - ``pytest`` (built-in, TB-RL): on the verifier's own Python (``sandbox/toolchain.py``: a read-only copy of
-     the image's interpreter, stdlib, libraries and pytest, or the host's read-only ``/usr`` python on the local
-     backend) through ``sandbox/pristine/runner.py``: pytest rooted at ``/tests`` (its own ini,
-     ``--rootdir``/``--confcutdir=/tests``, plugin autoload off, the work dir off ``sys.path``); results come
-     back on the exec's own stdout, tagged with a nonce sent on its stdin.
+     the image's interpreter, stdlib, libraries and pytest, its loader and libc blind to ``/etc/ld.so.preload``
+     and ``/etc/nsswitch.conf``; or the host's read-only ``/usr`` python on the local backend) through
+     ``sandbox/pristine/runner.py``: pytest rooted at ``/tests`` (its own ini, ``--rootdir``/``--confcutdir=/tests``,
+     plugin autoload off, no work dir on ``sys.path`` unless the tests import a module only it provides, then
+     appended last; standard-library and pytest module names only from the pristine paths); results come back on
+     the exec's own stdout, tagged with a nonce sent on its stdin.
    - ``run-tests.sh`` (TB1) and ``harbor`` (``test.sh`` + ``/logs/verifier/reward.txt|json``): the format's own
      script, in the agent's environment (it may install things), so step 2 checks every interpreter, library,
      configuration and command that script runs; JUnit XML (TB1) via ``PYTEST_ADDOPTS`` in a random directory.
@@ -37,6 +44,7 @@ import base64
 import dataclasses
 import functools
 import json
+import logging
 import posixpath
 import re
 import secrets
@@ -50,6 +58,7 @@ from jaxrl_term.sandbox import toolchain
 from jaxrl_term.sandbox.base import CLEAN_PATH, Sandbox, SandboxError
 from jaxrl_term.tasks.task import Task, resolve_env
 
+_log = logging.getLogger(__name__)
 SCORING = ("weighted", "binary")
 OUTCOMES = ("scored", "test_timeout", "tampered", "verifier_sabotaged", "verifier_error", "verifier_needs_network")
 ZERO_OUTCOMES = ("tampered", "verifier_sabotaged")  # scored 0 whatever else would reward the trajectory
@@ -330,7 +339,12 @@ async def _census(sandbox: Sandbox) -> tuple[str, ...]:
     own = tuple(sorted(getattr(sandbox, "own_processes", ())))
     for attempt in range(2):
         for _ in range(30):
-            procs = await processes()
+            try:
+                procs = await processes()
+            except Exception as e:  # noqa: BLE001 - an engine without `docker top` (no ps on its host)
+                _log.warning("cannot list the sandbox's processes (%s: %s): the census is not measured; the "
+                             "container's restart killed the agent's processes", type(e).__name__, e)
+                return ("unmeasured",)
             names = tuple(sorted(p[2] for p in procs))
             if names == own:
                 return names

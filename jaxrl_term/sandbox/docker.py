@@ -840,17 +840,16 @@ class DockerSandbox:
         archive API alone: a regular file unpacked over a directory (or a link) removes it with everything below it,
         without following links; a directory unpacked over a link or file replaces it. Nothing runs in the
         container (the verifier's ``/tests`` and ``/logs/verifier``)."""
-        rel = lambda p: p.strip("/")  # noqa: E731
-        await self._put("/", [(rel(d), b"", 0o644) for d in wipe], "reset_dirs")
-        made, entries = set(), []
-        for d in [*wipe, *make]:
-            parts = rel(d).split("/")
-            for i in range(len(parts)):
-                sub = "/".join(parts[:i + 1])
-                if sub not in made:
-                    made.add(sub)
-                    entries.append((sub, None, 0o755))
-        await self._put("/", entries, "reset_dirs")
+        def dirs(paths) -> list[tuple[str, None, int]]:  # every directory on the way, parents first, once
+            out: dict[str, None] = {}
+            for d in paths:
+                parts = d.strip("/").split("/")
+                out.update({"/".join(parts[:i + 1]): None for i in range(len(parts))})
+            return [(d, None, 0o755) for d in out]
+
+        parents = dirs(posixpath.dirname(d) for d in wipe if posixpath.dirname(d) != "/")
+        await self._put("/", [*parents, *((d.strip("/"), b"", 0o644) for d in wipe)], "reset_dirs")
+        await self._put("/", dirs([*wipe, *make]), "reset_dirs")
 
     async def read_file(self, path: str) -> bytes:
         import docker

@@ -19,7 +19,8 @@ never used; it starts with ``LC_ALL=C`` (``START_ENV``): glibc's built-in locale
 ``gconv-modules.cache`` (which names modules to ``dlopen``) from the agent's filesystem, and Python skips its C-locale
 coercion; ``-I -S``: no environment variables, no ``site``, so no ``.pth``, ``sitecustomize`` or user site;
 bytecode only from the volume). The image's own ``sys.path`` entries (site-packages) are appended after the
-pristine paths by the runner.
+pristine paths by the runner, behind its import guard: standard-library and pytest module names resolve on the
+pristine paths only (``GUARDED``).
 
 When an image's Python cannot be copied (no ``python3``, older than 3.8, a copy that loads files from outside the
 volume, no usable pytest anywhere) the toolchain says why (``reason``) and the runner uses the image's own
