@@ -33,11 +33,12 @@ RUNNERS = ["built-in pytest", "Harbor test.sh", "TB1 run-tests.sh", "exported Ha
 # Positive control: the attacks that fooled the verifier as it was before this hardening (scored 1.0 with no work),
 # measured per runner and backend. On the local backend the system is read-only to the agent; races through the
 # writable /tests, /logs and work dir worked there.
-_WRAPPERS = {"python3 wrapper on PATH", "timeout wrapper on PATH", "replaced /usr/bin/python3", "sitecustomize.py",
+# (The `timeout` and `mkdir` wrappers fooled it too, through Sandbox.exec's `timeout` and write_file's `mkdir`; the
+# naive verifier uses those, which now run nothing of the container: it is no longer fooled by them.)
+_WRAPPERS = {"python3 wrapper on PATH", "replaced /usr/bin/python3", "sitecustomize.py",
              ".pth in system site", ".pth in user site", "LD_PRELOAD via /etc/ld.so.preload"}
 _PYTEST = {"edited pytest package", "shadowing pluggy in an earlier site dir", "poisoned stdlib bytecode",
-           "mkdir wrapper (the sandbox's file API runs it)", "background process rewrites the JUnit XML",
-           "background process plants /tests/conftest.py"}
+           "background process rewrites the JUnit XML", "background process plants /tests/conftest.py"}
 _CWD = {"/app/pytest.py", "stdlib module shadowed in the work dir"}
 FOOLED_BEFORE = {
     ("built-in pytest", "docker"): _WRAPPERS | _PYTEST,
@@ -95,6 +96,13 @@ def _backend_builder(backend, builder):
 # ------------------------------------------------------------------------------------------ the attack suite
 
 
+def _attacks_for(runner: str) -> list:
+    """Tool-hook attacks on the runner whose test.sh runs those tools; the rest on the others (on the tools runner
+    they would repeat what Harbor test.sh covers; the full matrix in experiments/results runs everything)."""
+    tools = runner == "Harbor test.sh with tools"
+    return [a for a in ia.ATTACKS if a.cls == "control" or (a.cls == "tool hooks") == tools]
+
+
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_every_attack_scores_0_or_is_flagged_and_the_naive_verifier_was_fooled(backend, runner, tasks, evil_so,
                                                                                 builder):
@@ -107,7 +115,7 @@ def test_every_attack_scores_0_or_is_flagged_and_the_naive_verifier_was_fooled(b
             async with sem:
                 return await ia.attempt(task, runner, attack, backend, _backend_builder(backend, builder), evil_so)
 
-        return await asyncio.gather(*(one(a) for a in ia.ATTACKS))
+        return await asyncio.gather(*(one(a) for a in _attacks_for(runner)))
 
     attempts = run(go())
     nop = next(a for a in attempts if a.cls == "control")

@@ -80,6 +80,9 @@ STARTUP_MODULES = ("sitecustomize", "usercustomize")
 SHARED_LIB = re.compile(r"\.so(\.[0-9]+)*$")
 PYTHON_DIR = re.compile(r"(^|/)lib(64)?/python3[0-9.]*(/lib-dynload|/(site|dist)-packages)?$|/(site|dist)-packages$")
 PYTHON_ZIP = re.compile(r"^python3[0-9]*\.zip$")
+# what getpath reads beside a python's executable and one level up: a build tree's landmarks, a venv's config,
+# a stdlib directory it would switch to
+GETPATH_INPUTS = ("pybuilddir.txt", "pyvenv.cfg", "Modules", "Lib", "lib64", "platlib", "pythonhome")
 # libraries the image's programs load by name when present (a new one hides nothing and still runs): NSS modules
 # (nsswitch.conf names ``db``, ``systemd``, ... that the image may lack), PAM modules, iconv, OpenSSL and SASL plugins
 PLUGIN_LIB = re.compile(r"(^|/)libnss_[^/]*\.so[^/]*$|/security/pam_[^/]*\.so$|/gconv/[^/]*$|/ossl-modules/[^/]*$"
@@ -122,7 +125,10 @@ PROJECT_COMMAND = re.compile(r"\buv\s+(run|sync|add|init|lock|build|pip\s+instal
                              r"|\bpoetry\s+(install|run)|\bpython[0-9.]*\s+(setup\.py|-m\s+build)", re.M)
 PROJECT_FILES = ("./pyproject.toml", "./setup.py", "./setup.cfg", "./.python-version", "./requirements.txt",
                  "./uv.lock", "./.venv/")
-GIT_CONFIG = ("/etc/gitconfig", "~/.gitconfig", "~/.config/git/config", "./.git/config")
+GIT_CONFIG = ("/etc/gitconfig", "~/.gitconfig", "~/.config/git/config", "./.git/config", "./.git/config.worktree")
+# what git init, add and commit write in .git that git reads as data only
+GIT_DATA = re.compile(r"^(objects|refs|logs|rr-cache)(/|$)|^(HEAD|ORIG_HEAD|FETCH_HEAD|MERGE_HEAD|COMMIT_EDITMSG|index"
+                      r"|description|packed-refs|info/exclude|info/refs|hooks/[^/]+\.sample|hooks|info|branches)$")
 # git configuration that makes git run a command (hooks, fsmonitor, pagers, filters, helpers, aliases, includes)
 GIT_RUNS = re.compile(r"hookspath|fsmonitor|pager|editor|sshcommand|askpass|textconv|\bclean\b|smudge|\bprocess\b"
                       r"|helper|program|\bcmd\b|\[\s*include|=\s*\"?!", re.I)
@@ -160,7 +166,29 @@ def _under(path: str, d: str) -> bool:
 
 
 def _in_pycache(path: str) -> bool:
-    return "/__pycache__/" in path or path.endswith("/__pycache__")
+    """A bytecode cache file (``__pycache__/<module>.<tag>.pyc``) or the cache directory itself: never read (the
+    cache prefix points elsewhere). Anything else in a ``__pycache__`` directory is checked like any file (a
+    ``.pth`` line can put that directory on ``sys.path``)."""
+    return path.endswith("/__pycache__") or (posixpath.basename(posixpath.dirname(path)) == "__pycache__"
+                                              and path.endswith(".pyc"))
+
+
+PROC_ROOT = re.compile(r"^/proc/(self|thread-self|[0-9]+)/root(?=/|$)")
+
+
+def canonical(path: str) -> str:
+    """A path as the kernel resolves its spelling (not its links): ``//x`` and ``/proc/self/root/x`` are ``/x``."""
+    path = "/" + path.lstrip("/")
+    while PROC_ROOT.match(path):
+        path = "/" + PROC_ROOT.sub("", path).lstrip("/")
+    return posixpath.normpath(path)
+
+
+def through_proc(path: str) -> bool:
+    """A path that goes through ``/proc`` (another process's root, cwd or fd): what it names cannot be known from
+    the filesystem. An honest agent never links or adds a path that way."""
+    p = posixpath.normpath("/" + path.lstrip("/"))
+    return p == "/proc" or p.startswith("/proc/")
 
 
 def _module_name(name: str) -> str:
@@ -275,10 +303,16 @@ def stat_requests(changes: Sequence[tuple[str, str]], facts: Mapping, scope: Sco
     parents = {posixpath.dirname(p) for _, p in changes}
     now, image = [], []
     pdirs = path_dirs(facts, scope)
+    wd = scope.workdir.rstrip("/") or "/"
+    now.append(wd)  # the scripts' cwd: a link there moves the first entry of their python's sys.path
     for kind, path in changes:
-        if agent_area(path, scope.workdir) or _in_pycache(path):
+        if _in_pycache(path):
             continue
         parent, name = posixpath.split(path)
+        if agent_area(path, scope.workdir):  # the agent's own files: only links that a rule could see through
+            if kind != "D" and path not in parents and (parent == wd or name == ".git"):
+                now.append(path)
+            continue
         if kind == "C":
             now.append(path)
             image.append(path)
@@ -291,12 +325,55 @@ def stat_requests(changes: Sequence[tuple[str, str]], facts: Mapping, scope: Sco
     return list(dict.fromkeys(now)), list(dict.fromkeys(image))
 
 
+def link_target(path: str, st) -> str:
+    target = st.target if st.target.startswith("/") else posixpath.join(posixpath.dirname(path), st.target)
+    return canonical(target)
+
+
+def real_path(path: str, now: Mapping, hops: int = 16) -> str:
+    """``path`` with every link the stats know about followed (any component, chains included)."""
+    path = canonical(path)
+    for _ in range(hops):
+        parts = path.strip("/").split("/")
+        for i in range(1, len(parts) + 1):
+            head = "/" + "/".join(parts[:i])
+            st = now.get(head)
+            if st is not None and st.kind == "link" and st.target:
+                path = canonical(posixpath.join(link_target(head, st), *parts[i:]))
+                break
+        else:
+            return path
+    return path
+
+
+def followups(changes: Sequence[tuple[str, str]], now: Mapping, texts: Mapping[str, bytes], scope: Scope) -> list[str]:
+    """Paths to stat next so that every link in the view, every link on the way to a link's target, and every
+    directory a ``.pth`` line names can be followed (called until it returns nothing)."""
+    want = []
+    for path, st in list(now.items()):
+        if st is not None and st.kind == "link" and st.target:
+            want += _components(link_target(path, st))
+    for path, data in texts.items():
+        if path.endswith(".pth"):
+            for d in pth_path_lines(data, posixpath.dirname(path)):
+                want += _components(d)
+    want += _components(scope.workdir)
+    return [p for p in dict.fromkeys(want) if p not in now and not through_proc(p)]
+
+
+def _components(path: str) -> list[str]:
+    parts = canonical(path).strip("/").split("/")
+    return ["/" + "/".join(parts[:i]) for i in range(1, len(parts) + 1) if parts[0]]
+
+
 def resolve(changes: Sequence[tuple[str, str]], now: Mapping, image: Mapping, scope: Scope) -> tuple[list[Entry],
                                                                                                      list[str]]:
-    """(the view: every change, plus the changes under each link's target seen at the link; type findings)."""
+    """(the view: every change, plus the changes under each link's final target seen at the link; findings about
+    types and links)."""
     entries = [Entry(k, p, p) for k, p in changes]
     found: list[str] = []
     links: dict[str, str] = {}
+    wd = scope.workdir.rstrip("/") or "/"
     for kind, path in changes:
         st = now.get(path)
         if st is None:
@@ -307,8 +384,14 @@ def resolve(changes: Sequence[tuple[str, str]], now: Mapping, image: Mapping, sc
             what = f"a {st.kind} where the image has a {was.kind}"
             found.append(f"C {path}: {what} (everything below it is now something else)")
         if st.kind == "link" and st.target:
-            target = st.target if st.target.startswith("/") else posixpath.join(posixpath.dirname(path), st.target)
-            links[path] = posixpath.normpath(target)
+            if through_proc(st.target if st.target.startswith("/") else posixpath.join(posixpath.dirname(path),
+                                                                                       st.target)):
+                found.append(f"{kind} {path}: a link through /proc ({st.target})")
+            links[path] = real_path(link_target(path, st), now)
+    st = now.get(wd)
+    if st is not None and st.kind != "dir":
+        found.append(f"C {wd}: the work dir is a {st.kind}, not a directory (the scripts' cwd and the first entry of "
+                     f"their python's sys.path would be elsewhere)")
     for link, target in links.items():  # what the agent made behind a link is also seen where the link is
         for kind, path in changes:
             if path != target and _under(path, target) and target != "/":
@@ -395,11 +478,11 @@ def _matches(path: str, specs: Iterable[str]) -> bool:
 
 
 def pth_path_lines(data: bytes, site: str) -> list[str]:
-    """The directories a ``.pth`` file's path lines add to ``sys.path`` (relative to its site dir)."""
+    """The directories a ``.pth`` file's path lines add to ``sys.path`` (relative to its site dir), as written."""
     out = []
     for line in data.decode("utf-8-sig", errors="replace").splitlines():
         if line.strip() and not line.startswith(("#", "import ", "import\t")):
-            out.append(posixpath.normpath(posixpath.join(site, line.rstrip())))
+            out.append(posixpath.join(site, line.rstrip()))
     return out
 
 
@@ -459,8 +542,9 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
     pytest_dirs = _pytest_dirs(scope) if script else set()
     parents = {posixpath.dirname(e.path) for e in entries}  # a changed directory is listed with what changed in it
     venvs = {posixpath.dirname(e.path) for e in entries if e.kind == "A" and e.path.endswith("/pyvenv.cfg")}
-    pth_dirs = {d for e in entries if e.kind != "D" and e.path.endswith(".pth") and e.real in texts
-                for d in pth_path_lines(texts[e.real], posixpath.dirname(e.path))}
+    pth_lines = {d for e in entries if e.kind != "D" and e.path.endswith(".pth") and e.real in texts
+                 for d in pth_path_lines(texts[e.real], posixpath.dirname(e.path))}
+    pth_dirs = {canonical(d) for d in pth_lines} | {real_path(d, now) for d in pth_lines}
     cwd = _cwd_chain(scope)
     out: list[str] = []
     for e in entries:
@@ -484,7 +568,8 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
             why = f"{'an executable' if was.executable else 'a shared library'} of the image " \
                   f"{'changed' if kind == 'C' else 'deleted'}"
         elif not mine and kind == "C" and was is not None and was.kind == "link" and st is not None and \
-                st.kind == "link" and st.target != was.target and _points_at_agent(st.target, entries, wd):
+                st.kind == "link" and st.target != was.target and _points_at_agent(
+                    real_path(link_target(e.real, st), now), entries, wd):
             why = f"a link of the image now points at what the agent made ({st.target})"
         elif not mine and kind == "A" and parent in pdirs and any(
                 image.get(f"{d}/{name}") is not None for d in pdirs[pdirs.index(parent) + 1:]):
@@ -505,6 +590,12 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
                 _python_dir(parent, facts) and _startup_site(parent, text, facts, scope, venvs) and \
                 pth_runs_code(texts.get(e.real, b"import")):
             why = "a .pth file that runs code at every python start-up"
+        elif name.endswith(".pth") and kind in ("A", "C") and e.real in texts and any(
+                through_proc(d) for d in pth_path_lines(texts[e.real], parent)):
+            why = "a .pth file whose directory line goes through /proc"
+        elif image_py and kind == "A" and parent in {posixpath.dirname(d) for d in pdirs} | set(pdirs) and (
+                name in GETPATH_INPUTS or PYTHON_ZIP.match(name) or name.endswith("._pth")):
+            why = "read by a python of PATH while it computes its prefix and sys.path (getpath)"
         elif image_py and not mine and PYTHON_ZIP.match(name) and re.search(r"/lib(64)?$", parent):
             why = "a zip archive on the image's python's sys.path before its stdlib"
         elif image_py and not mine and (name == "pyvenv.cfg" or name.endswith("._pth")) and (
@@ -539,12 +630,25 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
             why = "uv configuration ([tool.uv]) in the scripts' project directory"
         elif git and name == ".git" and parent in cwd and kind in ("A", "C") and path not in parents:
             why = "a .git that is a file or link (its repository, configuration and hooks are elsewhere)"
+        elif git and kind in ("A", "C") and path not in parents and (repo := _git_rel(path, cwd)) is not None and \
+                not GIT_DATA.match(repo) and not (repo in ("config", "config.worktree") and not GIT_RUNS.search(
+                    texts.get(e.real, b"!").decode(errors="replace"))):
+            why = "in a repository the test scripts run git in: read by git as configuration, hooks or pointers"
         elif path in git and kind in ("A", "C") and GIT_RUNS.search(texts.get(e.real, b"!").decode(errors="replace")):
             why = "git configuration that runs a command, in a repository or home the test scripts use git in"
         if why:
             shown = path if e.real == path else f"{path} (= {e.real})"
             out.append(f"{kind} {shown}: {why}")
     return list(dict.fromkeys(out))
+
+
+def _git_rel(path: str, cwd: set[str]) -> str | None:
+    """The path inside ``<dir>/.git`` for a ``dir`` the scripts' git discovers (their cwd and above), else None."""
+    for d in cwd:
+        g = posixpath.join(d, ".git")
+        if path.startswith(g + "/"):
+            return path[len(g) + 1:]
+    return None
 
 
 def _is_package(path: str, entries: Sequence[Entry]) -> bool:

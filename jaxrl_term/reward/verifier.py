@@ -375,15 +375,22 @@ def _scope(task: Task, level: str, workdir: str, tc) -> tamper.Scope:
 async def _tamper_findings(sandbox: Sandbox, tc, scope: tamper.Scope) -> list[str]:
     changes = await sandbox.changes()
     want_now, want_image = tamper.stat_requests(changes, tc.facts, scope)
-    now = await sandbox.stat_paths(want_now) if want_now and hasattr(sandbox, "stat_paths") else {}
+    stat = getattr(sandbox, "stat_paths", None)
+    now = await stat(want_now) if want_now and stat is not None else {}
     image = await sandbox.image_stat_paths(want_image) if want_image and hasattr(sandbox, "image_stat_paths") else {}
-    entries, found = tamper.resolve(changes, now, image, scope)
-    texts = {}
-    for p in tamper.read_requests(entries, tc.facts, scope):
-        try:
-            texts[p] = await sandbox.read_file(p)
-        except SandboxError:
-            texts[p] = b"import pytest"  # unreadable (a directory, a dangling link): counted as code
+    texts: dict[str, bytes] = {}
+    for _ in range(6):  # follow links (chains, targets in the agent's areas) and .pth lines until nothing is new
+        entries, found = tamper.resolve(changes, now, image, scope)
+        for p in tamper.read_requests(entries, tc.facts, scope):
+            if p not in texts:
+                try:
+                    texts[p] = await sandbox.read_file(p)
+                except SandboxError:
+                    texts[p] = b"import pytest"  # unreadable (a directory, a dangling link): counted as code
+        more = tamper.followups(changes, now, texts, scope) if stat is not None else []
+        if not more:
+            break
+        now.update(await stat(more))
     found += tamper.findings(entries, tc.facts, scope, now=now, image=image, texts=texts)
     if any(e.path == "/etc/ld.so.cache" and e.kind != "D" for e in entries):
         found += tamper.ldcache_redirects(await sandbox.read_file("/etc/ld.so.cache"), tc.facts)
