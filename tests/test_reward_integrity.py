@@ -100,7 +100,7 @@ def _attacks_for(runner: str) -> list:
     """Tool-hook attacks on the runner whose test.sh runs those tools; the rest on the others (on the tools runner
     they would repeat what Harbor test.sh covers; the full matrix in experiments/results runs everything)."""
     tools = runner == "Harbor test.sh with tools"
-    return [a for a in ia.ATTACKS if a.cls == "control" or (a.cls == "tool hooks") == tools]
+    return [a for a in ia.ATTACKS if a.cls == "control" or (a.cls in ("tool hooks", "tool state")) == tools]
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
@@ -133,7 +133,8 @@ def test_every_attack_scores_0_or_is_flagged_and_the_naive_verifier_was_fooled(b
     if backend == "docker":
         assert not refused  # root in the container: every tampering step lands
     else:
-        assert refused <= REFUSED_LOCALLY | {"work dir replaced by a dangling link"}, refused - REFUSED_LOCALLY
+        later = {a.name for a in [*ia.ATTACKS_V3, *ia.ATTACKS_V4, *ia.ATTACKS_V5]}  # root-only steps, mostly
+        assert refused <= REFUSED_LOCALLY | later | {"work dir replaced by a dangling link"}, refused - REFUSED_LOCALLY
 
 
 @pytest.mark.parametrize("runner", RUNNERS)

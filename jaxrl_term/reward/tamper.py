@@ -27,7 +27,8 @@ every runner
   * ``/etc/ld.so.preload`` (loaded into every dynamic program the tests start), ``/etc/nsswitch.conf``, and an
     ``/etc/ld.so.cache`` that maps a library of the image to another file;
   * code on the tests' import path: in the directories the tests' ``sys.path`` has that the agent can write
-    (``/`` when the tests are a package; the work dir when the tests edit ``sys.path``) a module named like one
+    (``/`` when the tests are a package; the work dir when the tests edit ``sys.path``; every ``PATH`` dir: a
+    python script of the image, ``pip`` or ``pytest``, has its own directory first on ``sys.path``) a module named like one
     the standard library, pytest, the image's site dirs or the task's own test files provide; in the image's site
     dirs, a changed file of the image, a module hiding one of a later site dir, or a module named like one of the
     standard library's (Python and pytest probe for some the image lacks: ``_wmi``, ``msvcrt``). The pristine
@@ -127,8 +128,9 @@ PROJECT_FILES = ("./pyproject.toml", "./setup.py", "./setup.cfg", "./.python-ver
                  "./uv.lock", "./.venv/")
 GIT_CONFIG = ("/etc/gitconfig", "~/.gitconfig", "~/.config/git/config", "./.git/config", "./.git/config.worktree")
 # what git init, add and commit write in .git that git reads as data only
-GIT_DATA = re.compile(r"^(objects|refs|logs|rr-cache)(/|$)|^(HEAD|ORIG_HEAD|FETCH_HEAD|MERGE_HEAD|COMMIT_EDITMSG|index"
-                      r"|description|packed-refs|info/exclude|info/refs|hooks/[^/]+\.sample|hooks|info|branches)$")
+GIT_DATA = re.compile(r"^(objects|refs|logs|rr-cache|modules/.+/(objects|refs|logs))(/|$)|^((modules/.+/)?(HEAD"
+                      r"|ORIG_HEAD|FETCH_HEAD|MERGE_HEAD|COMMIT_EDITMSG|index|description|packed-refs|info/exclude"
+                      r"|info/refs|hooks/[^/]+\.sample|hooks|info|branches)|modules|modules/.+)$")
 # git configuration that makes git run a command (hooks, fsmonitor, pagers, filters, helpers, aliases, includes)
 GIT_RUNS = re.compile(r"hookspath|fsmonitor|pager|editor|sshcommand|askpass|textconv|\bclean\b|smudge|\bprocess\b"
                       r"|helper|program|\bcmd\b|\[\s*include|=\s*\"?!", re.I)
@@ -410,7 +412,8 @@ def read_requests(entries: Sequence[Entry], facts: Mapping, scope: Scope) -> lis
         parent, name = posixpath.split(e.path)
         if name.endswith(".pth") and _python_dir(parent, facts):
             out.append(e.real)
-        elif scope.level == "script" and (name in PYTEST_SECTIONED and parent in _cwd_chain(scope) or e.path in git):
+        elif scope.level == "script" and (name in PYTEST_SECTIONED and parent in _cwd_chain(scope) or e.path in git
+                                          or (name in ("config", "config.worktree") and "/.git/" in e.path)):
             out.append(e.real)
     return list(dict.fromkeys(out))
 
@@ -578,7 +581,8 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
             why = "a command the verifier runs"
         elif script and parent in pdirs and name in commands:
             why = "a command the test scripts run"
-        elif (parent in import_dirs or (image_py and parent in pth_dirs)) and kind in ("A", "C") and \
+        elif (parent in import_dirs or parent in pdirs or (image_py and parent in pth_dirs)) and \
+                kind in ("A", "C") and \
                 _module_name(name) in shadowable and (path not in parents or _is_package(path, entries)):
             # (a directory without __init__ is a namespace portion: it hides nothing)
             why = "shadows a module the tests, pytest or Python import (this directory is on the tests' sys.path)"
@@ -628,9 +632,10 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
         elif uv and kind in ("A", "C") and name == "pyproject.toml" and parent in _cwd_chain(scope) and \
                 b"tool.uv" in texts.get(e.real, b"tool.uv"):
             why = "uv configuration ([tool.uv]) in the scripts' project directory"
-        elif git and name == ".git" and parent in cwd and kind in ("A", "C") and path not in parents:
+        elif git and name == ".git" and (parent in cwd or _under(parent, wd)) and kind in ("A", "C") and \
+                path not in parents:
             why = "a .git that is a file or link (its repository, configuration and hooks are elsewhere)"
-        elif git and kind in ("A", "C") and path not in parents and (repo := _git_rel(path, cwd)) is not None and \
+        elif git and kind in ("A", "C") and path not in parents and (repo := _git_rel(path, cwd, wd)) is not None and \
                 not GIT_DATA.match(repo) and not (repo in ("config", "config.worktree") and not GIT_RUNS.search(
                     texts.get(e.real, b"!").decode(errors="replace"))):
             why = "in a repository the test scripts run git in: read by git as configuration, hooks or pointers"
@@ -642,12 +647,15 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
     return list(dict.fromkeys(out))
 
 
-def _git_rel(path: str, cwd: set[str]) -> str | None:
-    """The path inside ``<dir>/.git`` for a ``dir`` the scripts' git discovers (their cwd and above), else None."""
-    for d in cwd:
-        g = posixpath.join(d, ".git")
-        if path.startswith(g + "/"):
-            return path[len(g) + 1:]
+def _git_rel(path: str, cwd: set[str], workdir: str) -> str | None:
+    """The path inside a ``.git`` the scripts' git reads: the repository of their cwd or above, or any repository
+    below the work dir (submodules: ``git status`` runs a git in each), else None."""
+    i = path.rfind("/.git/")
+    if i < 0:
+        return None
+    repo = path[:i] or "/"
+    if repo in cwd or _under(repo, workdir):
+        return path[i + len("/.git/"):]
     return None
 
 

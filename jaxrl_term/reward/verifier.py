@@ -281,7 +281,9 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
     # Set for every process verification starts, over the image's own ENV (no BASH_ENV, no SSH_CLIENT; stdin is /dev/null or
     # a pipe, never a socket: bash reads no start-up file), USER/LOGNAME so that getpass needs no passwd lookup
     env = {"TEST_DIR": "/tests", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "HOME": "/root", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "PATH": CLEAN_PATH, "USER": "root", "LOGNAME": "root"}
+           "PYTHONDONTWRITEBYTECODE": "1", "PATH": CLEAN_PATH, "USER": "root", "LOGNAME": "root",
+           # git runs no fsmonitor command, whatever a repository's configuration says (git 2.31+)
+           "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "core.fsmonitor", "GIT_CONFIG_VALUE_0": "false"}
     if task.verifier_env:  # Harbor's [verifier] env (${VAR} from this process's environment)
         env = {**resolve_env(task.verifier_env, f"task {task.id}: [verifier]"), **env}
     phases = getattr(sandbox, "phase_network", None)
@@ -298,6 +300,9 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
                           tamper=tuple(found), census=census)
         results = f"/logs/verifier/.{nonce}"
         dirs = sorted({results, *(f"/tests/{rel}".rsplit("/", 1)[0] for rel in task.tests.files)} - {"/tests"})
+        apt = runner != "pytest" and re.search(r"(^|[^\w.-])apt(-get)?($|[^\w.-])", "\n".join(scope.scripts), re.M)
+        if apt:  # apt's package lists and cache for the scripts: fresh, never the ones the agent left
+            dirs += [f"{results}/apt/lists/partial", f"{results}/apt/archives/partial"]
         reset = getattr(sandbox, "reset_dirs", None)
         if reset is not None:  # Docker: through the engine's archive API, nothing of the container runs
             if not (await sandbox.stat_paths([workdir])).get(workdir):
@@ -319,6 +324,11 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
             res = await _run_pytest(task, sandbox, tc, env, scoring, timeout_s, workdir, nonce, results, result,
                                     scope)
         else:
+            if apt:
+                await sandbox.write_file(f"{results}/apt.conf", (
+                    f'Dir::State::Lists "{results}/apt/lists/";\nDir::Cache::Archives "{results}/apt/archives/";\n'
+                ).encode())
+                env = {**env, "APT_CONFIG": f"{results}/apt.conf"}
             res = await _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result)
         return dataclasses.replace(res, census=census)
     except SandboxError as e:  # the sandbox broke under the verifier: checked on a fresh sandbox like any error
