@@ -62,6 +62,7 @@ filesystem (``-X pycache_prefix``/``PYTHONPYCACHEPREFIX``), so ``__pycache__`` e
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import posixpath
 import re
@@ -155,6 +156,8 @@ class Scope:
     test_imports: frozenset = frozenset()
     import_dirs: tuple[str, ...] = ()
     test_modules: frozenset = frozenset()  # the modules of the task's own test files (/tests/helpers.py -> helpers)
+    tests_run: bool = True  # the test files start processes (subprocess, os.system, ...)
+    test_words: frozenset | None = None  # the command names the test files may start (None: any)
     homes: tuple[str, ...] = ("/root",)
 
     def __post_init__(self):
@@ -241,6 +244,16 @@ def sourced_files(scripts: Iterable[str], homes: Sequence[str]) -> set[str]:
                 if p.startswith("/"):
                     out.add(posixpath.normpath(p))
     return out
+
+
+def command_words(sources: Iterable[str]) -> frozenset:
+    """Every word of the test files' string literals that could name a command (``["jq", "-r"]``, ``"wc -l x"``):
+    what the tests' own processes may run, by name or by path."""
+    out: set[str] = set()
+    for src in sources:
+        for lit in re.findall(r"\"(?:[^\"\\\n]|\\.)*\"|'(?:[^'\\\n]|\\.)*'", src):
+            out.update(posixpath.basename(w) for w in re.findall(r"[A-Za-z0-9_./+-]+", lit[1:-1]))
+    return frozenset(w for w in out if w)
 
 
 def python_imports(sources: Iterable[str]) -> frozenset:
@@ -394,10 +407,15 @@ def resolve(changes: Sequence[tuple[str, str]], now: Mapping, image: Mapping, sc
     if st is not None and st.kind != "dir":
         found.append(f"C {wd}: the work dir is a {st.kind}, not a directory (the scripts' cwd and the first entry of "
                      f"their python's sys.path would be elsewhere)")
+    ordered = sorted(changes, key=lambda c: c[1])
+    paths = [p for _, p in ordered]
     for link, target in links.items():  # what the agent made behind a link is also seen where the link is
-        for kind, path in changes:
-            if path != target and _under(path, target) and target != "/":
-                entries.append(Entry(kind, link + path[len(target):], path))
+        if target == "/":
+            continue
+        i = bisect.bisect_left(paths, target + "/")  # the changes below the target: one contiguous run
+        while i < len(paths) and paths[i].startswith(target + "/"):
+            entries.append(Entry(ordered[i][0], link + paths[i][len(target):], paths[i]))
+            i += 1
     return entries, found
 
 
@@ -522,7 +540,9 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
     stdlib_names = set(facts.get("stdlib_names") or ())
     # names something else provides (a module the agent's copy would hide): the stdlib, pytest's session, the
     # image's site dirs, the task's own test modules; not the agent's own modules the tests import on purpose
-    shadowable = (set(facts.get("startup_modules") or ()) | stdlib_names | set(ALWAYS_SHADOWABLE)
+    guarded = level == "pristine" and bool(stdlib_names)  # the runner's import guard keeps these on its own paths
+    shadowable = (set(facts.get("startup_modules") or ()) | (set() if guarded else stdlib_names)
+                  | set(ALWAYS_SHADOWABLE)
                   | set(scope.test_modules) | {n for names in site_names.values() for n in names}) \
         - initial - {"test_probe", "__main__"}
     import_dirs = {d.rstrip("/") or "/" for d in scope.import_dirs}
@@ -549,6 +569,16 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
                  for d in pth_path_lines(texts[e.real], posixpath.dirname(e.path))}
     pth_dirs = {canonical(d) for d in pth_lines} | {real_path(d, now) for d in pth_lines}
     cwd = _cwd_chain(scope)
+    def runs(name: str, executable: bool) -> bool:
+        """Whether what verification starts could run this executable (by name) or load this library: anything,
+        for the script runners and the image's python; under the pristine runner only the tests' own processes,
+        by the names their string literals hold (shells and interpreters always)."""
+        if level != "pristine" or scope.test_words is None:
+            return True
+        if not scope.tests_run:
+            return False
+        return not executable or name in scope.test_words or INTERPRETERS.match(name) is not None
+
     out: list[str] = []
     for e in entries:
         kind, path = e.kind, e.path
@@ -567,14 +597,14 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
         elif path == "/etc/nsswitch.conf":
             why = "name-service modules are loaded into the tests' processes"
         elif not mine and kind in ("C", "D") and was is not None and was.kind == "file" and (
-                was.executable or SHARED_LIB.search(name)):
+                was.executable or SHARED_LIB.search(name)) and runs(name, was.executable):
             why = f"{'an executable' if was.executable else 'a shared library'} of the image " \
                   f"{'changed' if kind == 'C' else 'deleted'}"
         elif not mine and kind == "C" and was is not None and was.kind == "link" and st is not None and \
                 st.kind == "link" and st.target != was.target and _points_at_agent(
                     real_path(link_target(e.real, st), now), entries, wd):
             why = f"a link of the image now points at what the agent made ({st.target})"
-        elif not mine and kind == "A" and parent in pdirs and any(
+        elif not mine and kind == "A" and parent in pdirs and runs(name, True) and any(
                 image.get(f"{d}/{name}") is not None for d in pdirs[pdirs.index(parent) + 1:]):
             why = "hides the image's command of that name further down PATH"
         elif parent in pdirs and INTERPRETERS.match(name) and image_py:
@@ -710,13 +740,13 @@ def ldcache_redirects(data: bytes, facts: Mapping) -> list[str]:
     if facts.get("ldcache"):
         try:
             baseline = parse_ldcache(base64.b64decode(facts["ldcache"]))
-        except ValueError:
+        except (ValueError, struct.error):
             baseline = {}
     for name, path in (facts.get("libs") or {}).items():
         baseline.setdefault(name, set()).add(path)
     try:
         now = parse_ldcache(data)
-    except ValueError as e:
+    except (ValueError, struct.error) as e:
         return [f"C /etc/ld.so.cache: unreadable ({e})"]
     out = []
     for name, paths in now.items():

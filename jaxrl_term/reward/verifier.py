@@ -331,6 +331,8 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
                 env = {**env, "APT_CONFIG": f"{results}/apt.conf"}
             res = await _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, results, result)
         return dataclasses.replace(res, census=census)
+    except CensusError as e:  # infrastructure: a fresh sandbox would pass and read as sabotage
+        return result(None, "verifier_error", str(e), engine_down=True)
     except SandboxError as e:  # the sandbox broke under the verifier: checked on a fresh sandbox like any error
         if getattr(e, "engine_down", False):  # unless its engine died: infrastructure, no check (module doc)
             return result(None, "verifier_error", f"the sandbox's Docker engine stopped answering during "
@@ -363,7 +365,11 @@ async def _census(sandbox: Sandbox) -> tuple[str, ...]:
             await asyncio.sleep(0.1)
         if attempt == 0:
             await sandbox.kill_all()
-    raise SandboxError(f"processes other than the sandbox's own {own} are alive after killing the agent's: {procs}")
+    raise CensusError(f"processes other than the sandbox's own {own} are alive after killing the agent's: {procs}")
+
+
+class CensusError(SandboxError):
+    """Processes survived killing the sandbox's: infrastructure (the attempt is retried), never a sabotage check."""
 
 
 def _scope(task: Task, level: str, workdir: str, tc) -> tamper.Scope:
@@ -377,8 +383,11 @@ def _scope(task: Task, level: str, workdir: str, tc) -> tamper.Scope:
         import_dirs.append(workdir)
     modules = frozenset(tamper._module_name(posixpath.basename(rel)) for rel in task.tests.files
                         if rel.endswith(".py") and "/" not in rel)
+    runs = any(re.search(r"\bsubprocess\b|\bos\.(system|popen|exec|spawn)|\bpexpect\b|\bpty\.spawn|\bsh\.",
+                         src) for src in sources)
     return tamper.Scope(level, workdir, scripts=scripts, test_imports=tamper.python_imports(sources),
-                        import_dirs=tuple(import_dirs), test_modules=modules,
+                        import_dirs=tuple(import_dirs), test_modules=modules, tests_run=runs,
+                        test_words=tamper.command_words(sources),
                         homes=tuple(tc.facts.get("homes") or ("/root",)))
 
 
@@ -390,7 +399,7 @@ async def _tamper_findings(sandbox: Sandbox, tc, scope: tamper.Scope) -> list[st
     image = await sandbox.image_stat_paths(want_image) if want_image and hasattr(sandbox, "image_stat_paths") else {}
     texts: dict[str, bytes] = {}
     for _ in range(6):  # follow links (chains, targets in the agent's areas) and .pth lines until nothing is new
-        entries, found = tamper.resolve(changes, now, image, scope)
+        entries, found = await asyncio.to_thread(tamper.resolve, changes, now, image, scope)
         for p in tamper.read_requests(entries, tc.facts, scope):
             if p not in texts:
                 try:
@@ -401,7 +410,8 @@ async def _tamper_findings(sandbox: Sandbox, tc, scope: tamper.Scope) -> list[st
         if not more:
             break
         now.update(await stat(more))
-    found += tamper.findings(entries, tc.facts, scope, now=now, image=image, texts=texts)
+    found += await asyncio.to_thread(functools.partial(tamper.findings, entries, tc.facts, scope, now=now,
+                                                       image=image, texts=texts))
     if any(e.path == "/etc/ld.so.cache" and e.kind != "D" for e in entries):
         found += tamper.ldcache_redirects(await sandbox.read_file("/etc/ld.so.cache"), tc.facts)
     return list(dict.fromkeys(found))

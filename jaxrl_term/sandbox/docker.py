@@ -475,7 +475,7 @@ def _reference_container(cl, image_id: str):
     try:
         yield c.id
     finally:
-        _quiet(c.remove, force=True)
+        _quiet(c.remove, force=True, v=True)
 
 
 def tar_entries(entries) -> bytes:
@@ -777,12 +777,18 @@ class DockerSandbox:
 
     def _stat_sync(self, path: str, container_id: str | None = None) -> Stat | None:
         api = self.client.api
-        r = api.head(api._url("/containers/{0}/archive", container_id or self.container.id), params={"path": path})
-        if r.status_code == 404:
-            return None
-        if r.status_code != 200:
-            raise SandboxError(f"stat {path}: the engine answered {r.status_code}")
-        raw = json.loads(base64.b64decode(r.headers["X-Docker-Container-Path-Stat"]))
+        try:
+            r = api.head(api._url("/containers/{0}/archive", container_id or self.container.id), params={"path": path},
+                         timeout=60)
+            if r.status_code == 404:
+                return None
+            if r.status_code != 200:
+                raise SandboxError(f"stat {path}: the engine answered {r.status_code}")
+            raw = json.loads(base64.b64decode(r.headers["X-Docker-Container-Path-Stat"]))
+        except SandboxError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the engine's answer could not be had or read: a sandbox error
+            raise SandboxError(f"stat {path}: {type(e).__name__}: {e}") from e
         return Stat.from_engine(raw)
 
     async def stat_paths(self, paths) -> dict[str, Stat | None]:
@@ -797,7 +803,10 @@ class DockerSandbox:
         todo = [p for p in dict.fromkeys(paths) if p not in cache]
         if todo:
             ref = contextlib.ExitStack()
-            ref_id = await _call(lambda: ref.enter_context(_reference_container(self.client, image)))
+            try:
+                ref_id = await _call(lambda: ref.enter_context(_reference_container(self.client, image)))
+            except docker_errors().APIError as e:
+                raise SandboxError(f"a container of the sandbox's image for its stats: {e.explanation or e}") from e
             try:
                 cache.update(await _stat_many(functools.partial(self._stat_sync, container_id=ref_id), todo))
             finally:
@@ -825,7 +834,11 @@ class DockerSandbox:
 
     async def _put(self, at: str, entries: list[tuple[str, bytes | None, int]], what: str) -> None:
         """Unpack ``entries`` ((relative name, data or None for a directory, mode), in order) at ``at``."""
-        if not await _call(self.container.put_archive, at, tar_entries(entries)):
+        try:
+            ok = await _call(self.container.put_archive, at, tar_entries(entries))
+        except docker_errors().APIError as e:
+            raise SandboxError(f"{what}: the engine refused the archive: {e.explanation or e}") from e
+        if not ok:
             raise SandboxError(f"{what}: the archive upload was refused")
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> None:

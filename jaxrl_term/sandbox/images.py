@@ -142,12 +142,16 @@ def _host_has_pytest() -> bool:
 
 
 def ensure_toolkit(install: bool = True) -> bool:
-    """The sandbox toolkit (``toolkit.py``: non-dumpable shell, stdin relay, keep-alive) is compiled by the host's
-    C compiler: install gcc where it is missing (root on Debian), then build it once now, not at the first sandbox."""
+    """The sandbox toolkit (``toolkit.py``: non-dumpable shell, stdin relay, keep-alive, static exec ``timeout``) is
+    compiled by the host's C compiler: install gcc and a static libc where missing (root on Debian), then build it
+    once now, not at the first sandbox."""
     from jaxrl_term.sandbox import toolkit
 
-    if not (shutil.which("gcc") or shutil.which("cc")) and install and os.geteuid() == 0 and shutil.which("apt-get"):
-        _apt_install(["gcc"])
+    cc = shutil.which("gcc") or shutil.which("cc")
+    static_libc = cc is not None and os.path.isabs(subprocess.run(
+        [cc, "-print-file-name=libc.a"], capture_output=True, text=True, check=False).stdout.strip())
+    if not static_libc and install and os.geteuid() == 0 and shutil.which("apt-get"):
+        _apt_install(["gcc", "libc6-dev"])  # the toolkit's static `timeout` links glibc's libc.a
     try:
         toolkit.ensure_host_dir()
         return True

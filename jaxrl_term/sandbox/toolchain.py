@@ -19,8 +19,8 @@ never used; it starts with ``LC_ALL=C`` (``START_ENV``): glibc's built-in locale
 ``gconv-modules.cache`` (which names modules to ``dlopen``) from the agent's filesystem, and Python skips its C-locale
 coercion; ``-I -S``: no environment variables, no ``site``, so no ``.pth``, ``sitecustomize`` or user site;
 bytecode only from the volume). The image's own ``sys.path`` entries (site-packages) are appended after the
-pristine paths by the runner, behind its import guard: standard-library and pytest module names resolve on the
-pristine paths only (``GUARDED``).
+pristine paths by the runner, behind its import guard: the standard library's module names and those of the pytest
+session's own packages (copied into the volume) resolve on the pristine paths only.
 
 When an image's Python cannot be copied (no ``python3``, older than 3.8, a copy that loads files from outside the
 volume, no usable pytest anywhere) the toolchain says why (``reason``) and the runner uses the image's own
@@ -60,8 +60,6 @@ LABEL = "jaxrl_term.toolchain"
 
 # The host venv's pytest, copied into the volume when the image has no pytest 7+ (pure Python).
 HOST_PYTEST = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "pygments")
-# imported from the pristine paths only (the runner's Guard), with the standard library's names
-GUARDED = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "py", "exceptiongroup", "tomli", "colorama")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +96,7 @@ class Toolchain:
                late: list[str] | tuple[str, ...] = ()) -> list[str]:
         """``late``: directories appended after everything else (the agent's work dir, for tests that import it)."""
         cfg = {"roots": list(self.roots), "pre": list(self.pre), "append": list(self.append), "late": list(late),
-               "guard": sorted({*(self.facts.get("pytest") or {}).get("deps", ()), *GUARDED}) if self.pristine else [],
+               "guard": sorted((self.facts.get("pytest") or {}).get("deps", ())) if self.pristine else [],
                "executable": self.executable, "path": CLEAN_PATH, "args": pytest_args, "environ": dict(environ or {})}
         return [*self.python(nonce), "-c", source("runner.py"), json.dumps(cfg)]
 

@@ -105,13 +105,33 @@ def pytest_session():
     return version, rc
 
 
-def patch(path, name, mount):
-    """Point the C string ``name`` in the copy at ``path`` to a path of the same length inside the read-only
-    ``mount`` that does not exist: the loader then preloads nothing (``/etc/ld.so.preload``) and libc uses its
-    built-in name-service defaults (``/etc/nsswitch.conf``), whatever the agent writes there. Returns the names
-    patched."""
-    repl = (mount.rstrip("/") + "/" + "-" * len(name)).encode()[:len(name)]
-    if not repl.startswith(mount.encode() + b"/-"):
+def builtin_nsswitch(vol, mount):
+    """The image's ``/etc/nsswitch.conf`` with only the services glibc has built in (``files``, ``dns``), written in
+    the volume under a name as long as ``/etc/nsswitch.conf``: lookups keep the image's order, no module is loaded.
+    Returns the path as the sandboxes see it."""
+    seen = (mount.rstrip("/") + "/nsswitch.conf")[:len("/etc/nsswitch.conf")]
+    lines = []
+    try:
+        with open("/etc/nsswitch.conf") as f:
+            for line in f.read().splitlines():
+                db, sep, rest = line.split("#", 1)[0].partition(":")
+                kept = [w for w in rest.split() if w in ("files", "dns")]
+                if sep and db.strip() and kept:
+                    lines.append(f"{db.strip()}: {' '.join(kept)}")
+    except OSError:
+        lines = ["hosts: files dns"]
+    with open(os.path.join(vol, seen[len(mount.rstrip("/")) + 1:]), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return seen
+
+
+def patch(path, name, mount, repl=None):
+    """Point the C string ``name`` in the copy at ``path`` to ``repl``, a path of the same length inside the
+    read-only ``mount`` (by default one that does not exist): the loader then preloads nothing
+    (``/etc/ld.so.preload``) and libc reads the volume's name-service configuration (``/etc/nsswitch.conf``),
+    whatever the agent writes there. Returns the names patched."""
+    repl = (repl or (mount.rstrip("/") + "/" + "-" * len(name))).encode()[:len(name)]
+    if len(repl) != len(name) or not repl.startswith(mount.encode() + b"/"):
         raise ValueError(f"the toolchain mount {mount!r} is too long to patch {name!r}")
     with open(path, "rb") as f:
         data = f.read()
@@ -243,7 +263,8 @@ def main(cfg):
         for name, target in libs.items():
             shutil.copy2(os.path.realpath(target), os.path.join(vol, "so", name))
             if name.startswith("libc.so"):
-                out["patched"] += patch(os.path.join(vol, "so", name), b"/etc/nsswitch.conf", mount)
+                out["patched"] += patch(os.path.join(vol, "so", name), b"/etc/nsswitch.conf", mount,
+                                        builtin_nsswitch(vol, mount))
         out["libs"] = libs
         files |= {loader, os.path.realpath(loader)}
         files |= set(libs.values()) | {os.path.realpath(p) for p in libs.values()}

@@ -12,7 +12,7 @@ config: ``roots`` (every sys.path entry at start must lie under one of them; emp
 after the start-up path: the pristine pytest), ``append`` (the image's own sys.path entries, after everything
 else; their ``.pth`` files contribute directory lines, never ``import`` lines), ``late`` (after those: the agent's
 work dir when the tests import a module only it provides: it can add a module, never hide one), ``guard`` (module
-names, besides the standard library's, found only on the pristine paths: pytest's), ``executable`` (``sys.executable``
+names, besides the standard library's, found only on the pristine paths: the pytest session's packages), ``executable`` (``sys.executable``
 for the tests: the image's python), ``path`` (``PATH`` for the tests), ``environ`` (variables set, or unset when null, for the tests after start-up:
 the interpreter starts with ``LC_ALL=C`` so that glibc loads no locale or gconv file from the agent's filesystem, and
 the tests get the task's locale back), ``args`` (pytest's arguments).
