@@ -595,8 +595,26 @@ def test_tamper_rules_flag_what_the_runner_executes_and_leave_honest_work_alone(
         level = "script" if scope else "pristine"
         assert _flagged([change], level, **scope), change
     assert tamper.pth_runs_code(b"import os\n") and not tamper.pth_runs_code(b"/opt/lib\n# import x\n")
+    # a package added beside the image's module of that name, or inside the image's package, hides it
+    for added in ("/usr/lib/python3/dist-packages/yaml/evil.py", "/usr/lib/python3/dist-packages/pluggy.py"):
+        assert _flagged([("A", added)], "pristine"), added
+    # /usr/bin/python -> python3 (an image file nothing changed): the same program under another name
+    alias = Stat("link", 0o777, "/usr/bin/python3.13")
+    assert not _flagged([("A", "/usr/bin/python")], "script", now={"/usr/bin/python": alias})
+    assert _flagged([("A", "/usr/bin/python"), ("A", "/tmp/py")], "script",
+                    now={"/usr/bin/python": Stat("link", 0o777, "/tmp/py")})
     assert tamper.sourced_files([". ~/.profile; source ${HOME}/.local/bin/env"], ["/root"]) == {
         "/root/.profile", "/root/.local/bin/env"}
+
+
+def test_pth_directories_the_agent_adds_come_after_every_site_dir_of_the_image(tmp_path):
+    from jaxrl_term.sandbox.pristine.runner import with_pth
+
+    first, later, planted = (tmp_path / n for n in ("site1", "site2", "planted"))
+    for d in (first, later, planted):
+        d.mkdir()
+    (first / "zz.pth").write_text(f"{planted}\nimport os\n")
+    assert with_pth([str(first), str(later)]) == [str(first), str(later), str(planted)]
 
 
 def test_script_commands_are_the_commands_a_test_script_runs():

@@ -28,9 +28,11 @@ every runner
     ``/etc/ld.so.cache`` that maps a library of the image to another file;
   * code on the tests' import path: in the directories the tests' ``sys.path`` has that the agent can write
     (``/`` when the tests are a package; the work dir when the tests edit ``sys.path``; every ``PATH`` dir: a
-    python script of the image, ``pip`` or ``pytest``, has its own directory first on ``sys.path``) a module named like one
-    the standard library, pytest, the image's site dirs or the task's own test files provide; in the image's site
-    dirs, a changed file of the image, a module hiding one of a later site dir, or a module named like one of the
+    python script of the image, ``pip`` or ``pytest``, has its own directory first on ``sys.path``) a module
+    named like one the standard library, pytest, the image's site dirs or the task's own test files provide; in
+    the image's site
+    dirs, a changed, deleted or added file of an image module or package (a package dir beside the image's module
+    of that name hides it), a module hiding one of a later site dir, or a module named like one of the
     standard library's (Python and pytest probe for some the image lacks: ``_wmi``, ``msvcrt``). The pristine
     runner refuses those names outside its own paths anyway (its import guard).
 ``image`` and ``script`` add
@@ -56,8 +58,9 @@ packages that hide nothing of the image (``apt-get install``, ``pip install``, `
 runner, ``.pth`` and ``sitecustomize`` files (its python never runs them); virtual environments (their python is
 not the one the scripts run). Reported although honest (measured in ``tests/integrity_honest.py``): under a script
 runner, a ``.pth`` with an ``import`` line in a site dir the image's python reads (setuptools'
-``distutils-precedence.pth``, editable installs): the script's python would run it, and the agent wrote it. Bytecode is never read from the agent's
-filesystem (``-X pycache_prefix``/``PYTHONPYCACHEPREFIX``), so ``__pycache__`` entries are not findings.
+``distutils-precedence.pth``, editable installs): the script's python would run it, and the agent wrote it. Bytecode
+is never read from the agent's filesystem (``-X pycache_prefix``/``PYTHONPYCACHEPREFIX``), so bytecode cache
+files (``__pycache__/*.pyc``) are not findings.
 """
 
 from __future__ import annotations
@@ -607,7 +610,8 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
         elif not mine and kind == "A" and parent in pdirs and runs(name, True) and any(
                 image.get(f"{d}/{name}") is not None for d in pdirs[pdirs.index(parent) + 1:]):
             why = "hides the image's command of that name further down PATH"
-        elif parent in pdirs and INTERPRETERS.match(name) and image_py:
+        elif parent in pdirs and INTERPRETERS.match(name) and image_py and not _alias_of_image_file(e, st, now,
+                                                                                                      entries):
             why = "a command the verifier runs"
         elif script and parent in pdirs and name in commands:
             why = "a command the test scripts run"
@@ -638,8 +642,8 @@ def findings(entries: Sequence[Entry], facts: Mapping, scope: Scope, *, now: Map
         elif site := next((d for d in site_dirs if _under(path, d)), None):
             rel = path[len(site) + 1:]
             top = rel.split("/")[0].split(".")[0]
-            if kind in ("C", "D") and top in site_names.get(site, ()):
-                why = "a file of the image's site-packages (on the tests' sys.path) changed"
+            if top in site_names.get(site, ()):  # a package dir added beside a module, a submodule added: hides
+                why = "a module of the image's site-packages (on the tests' sys.path) changed, added to or hidden"
             elif kind == "A" and "/" not in rel and any(top in names for d, names in site_names.items() if d != site):
                 why = f"shadows the image's module {top!r}"
             elif kind in ("A", "C") and "/" not in rel and top in stdlib_names:
@@ -687,6 +691,15 @@ def _git_rel(path: str, cwd: set[str], workdir: str) -> str | None:
     if repo in cwd or _under(repo, workdir):
         return path[i + len("/.git/"):]
     return None
+
+
+def _alias_of_image_file(e: Entry, st, now: Mapping, entries: Sequence[Entry]) -> bool:
+    """An added link to a file of the image that nothing changed (``/usr/bin/python -> python3``): the same program
+    under another name."""
+    if e.kind != "A" or st is None or st.kind != "link":
+        return False
+    target = real_path(link_target(e.real, st), now)
+    return not any(x.real == target or _under(target, x.real) and x.kind != "C" for x in entries)
 
 
 def _is_package(path: str, entries: Sequence[Entry]) -> bool:

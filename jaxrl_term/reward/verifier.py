@@ -278,8 +278,8 @@ async def _verify(task: Task, sandbox: Sandbox, scoring: str, timeout_s: float |
         return VerifierResult(score, kw.pop("passed", {}), kw.pop("weights", {}), output, time.monotonic() - t0,
                               error, outcome, toolchain=tc.label, **kw)
 
-    # Set for every process verification starts, over the image's own ENV (no BASH_ENV, no SSH_CLIENT; stdin is /dev/null or
-    # a pipe, never a socket: bash reads no start-up file), USER/LOGNAME so that getpass needs no passwd lookup
+    # Set for every process verification starts, over the image's own ENV (no BASH_ENV, no SSH_CLIENT; stdin is
+    # /dev/null or a pipe, never a socket: bash reads no start-up file), USER/LOGNAME: getpass needs no passwd lookup
     env = {"TEST_DIR": "/tests", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "HOME": "/root", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PATH": CLEAN_PATH, "USER": "root", "LOGNAME": "root",
            # git runs no fsmonitor command, whatever a repository's configuration says (git 2.31+)
@@ -387,7 +387,7 @@ def _scope(task: Task, level: str, workdir: str, tc) -> tamper.Scope:
                          src) for src in sources)
     return tamper.Scope(level, workdir, scripts=scripts, test_imports=tamper.python_imports(sources),
                         import_dirs=tuple(import_dirs), test_modules=modules, tests_run=runs,
-                        test_words=tamper.command_words(sources),
+                        test_words=tamper.command_words([*sources, *scripts]),
                         homes=tuple(tc.facts.get("homes") or ("/root",)))
 
 
@@ -469,6 +469,7 @@ async def _run_script(task, sandbox, env, scoring, timeout_s, workdir, nonce, re
     res = await sandbox.exec(["bash", f"/tests/{task.tests.entry}"], timeout_s, env=env, workdir=workdir)
     if res.timed_out:
         return result(0.0, "test_timeout", f"the tests exceeded their timeout of {timeout_s:.0f}s", res.output)
+    await sandbox.kill_all()  # nothing left running (a service, what the script started) writes the results now
     if task.tests.runner == "harbor":
         return await _harbor_result(sandbox, res, scoring, result)
     try:

@@ -271,7 +271,8 @@ class ToolkitError(RuntimeError):
 
 
 def _hash() -> str:
-    return hashlib.sha256(f"{VERSION}/{platform.machine()}/{NODUMP_C}/{PAUSE_C}/{SOCKIN_C}/{TIMEOUT_C}".encode()).hexdigest()[:12]
+    parts = f"{VERSION}/{platform.machine()}/{NODUMP_C}/{PAUSE_C}/{SOCKIN_C}/{TIMEOUT_C}"
+    return hashlib.sha256(parts.encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:

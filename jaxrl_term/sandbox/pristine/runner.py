@@ -23,13 +23,11 @@ import sys
 
 
 def with_pth(dirs):
-    """``dirs`` and the directories their ``.pth`` files name, as ``site.addsitedir`` would add them (no
-    ``import`` lines executed)."""
-    out = []
-    for d in dirs:
-        if d in out:
-            continue
-        out.append(d)
+    """``dirs`` (the image's own path entries, its ``.pth`` directories among them, in the image's order), then the
+    directories that ``.pth`` files name now and the image did not have: after all of them, so that a ``.pth`` file
+    the agent wrote can add modules and never hide one of a later site dir (no ``import`` lines executed)."""
+    out = list(dict.fromkeys(dirs))
+    for d in list(out):
         try:
             names = sorted(os.listdir(d))
         except OSError:
