@@ -164,6 +164,7 @@ class AgentCfg:
     max_observation_chars: int = 16000
     max_observation_tokens: Optional[int] = None  # per turn, all results together; None: max_context_tokens / 4
     enable_thinking: Optional[bool] = None
+    prompt: Optional[str] = None  # a file replacing the scaffold's system prompt (same $variables as its built-in)
 
     def limits(self):
         from jaxrl_term.agent.loop import AgentLimits
@@ -176,7 +177,8 @@ class AgentCfg:
         from jaxrl_term.agent.actions import make_scaffold
 
         return make_scaffold(self.scaffold, max_actions_per_turn=self.max_actions_per_turn,
-                             max_observation_chars=self.max_observation_chars, command_timeout_s=self.command_timeout_s)
+                             max_observation_chars=self.max_observation_chars, command_timeout_s=self.command_timeout_s,
+                             prompt=self.prompt)
 
 
 @dataclasses.dataclass

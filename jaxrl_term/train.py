@@ -314,7 +314,8 @@ class Trainer:
 
     # -- held-out evaluation -------------------------------------------------------------------------
     def load_heldout(self, train_tasks) -> list:
-        """``eval.data``'s tasks, when an evaluation is asked for; none of them may be a training task."""
+        """``eval.data``'s tasks, when an evaluation is asked for; none of them may be a training task nor have a
+        training task's instruction (byte-identical prompts)."""
         from jaxrl_term.tasks.dataset import load_from_config
 
         tcfg = self.cfg.trainer
@@ -326,6 +327,19 @@ class Trainer:
             raise ValueError(f"eval.data: {len(overlap)} held-out task(s) are also training tasks (e.g. "
                              f"{sorted(overlap)[0]}); exclude them (eval.data.exclude_ids / data.exclude_ids) or "
                              "use a disjoint split (builtin: data.split=train, eval.data.split=heldout)")
+        train_by_text: dict[str, list[str]] = {}  # a held-out prompt the policy was trained on is not held out
+        for t in train_tasks:
+            train_by_text.setdefault(t.instruction, []).append(t.id)
+        same = [t for t in tasks if t.instruction in train_by_text]
+        if same:
+            text = same[0].instruction
+            held, trained = sorted(t.id for t in same if t.instruction == text), sorted(train_by_text[text])
+            raise ValueError(
+                f"eval.data: {len(same)} held-out task(s) have an instruction byte-identical to a training task's "
+                f"(e.g. held-out {', '.join(held[:3])}{' ...' if len(held) > 3 else ''} and training "
+                f"{', '.join(trained[:3])}{' ...' if len(trained) > 3 else ''}: {text[:80]!r}); exclude them "
+                "(eval.data.exclude_ids / data.exclude_ids) or split by instruction (builtin: data.split=train, "
+                "eval.data.split=heldout, whose split is a hash of the instruction)")
         return tasks
 
     def set_aside_later_evals(self) -> None:
@@ -405,11 +419,14 @@ class Trainer:
     def build_batch(self, groups, step: int):
         import numpy as np
 
-        from jaxrl_term.rl.advantages import check_rewards, group_advantages
+        from jaxrl_term.rl.advantages import check_rewards, group_advantages, shuffled_rewards
         from jaxrl_term.rl.batch import Sample, make_batch
 
         rewards = check_rewards(np.array([g.rewards for g in groups], np.float32))
-        adv = group_advantages(rewards, self.algo.advantage, std_ddof=self.algo.std_ddof,
+        scored = rewards
+        if self.algo.shuffle_rewards:  # placebo: the same update with rewards unlinked from the episodes
+            scored = shuffled_rewards(rewards, seed=self.cfg.seed * 1_000_003 + step)
+        adv = group_advantages(scored, self.algo.advantage, std_ddof=self.algo.std_ddof,
                                negative_weight=self.algo.negative_weight)
         # fresh: sampled by the weights this step trains (lag 0); the engine/trainer gap is measured on those only
         samples = [Sample(t.token_ids, t.train_mask(self.algo.mask_turns), t.logprobs, float(a),

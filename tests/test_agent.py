@@ -479,3 +479,19 @@ def test_a_cancellation_landing_as_a_generation_completes_stops_the_episode(tiny
         return "finished", len(engine.requests)
 
     assert asyncio.run(local_sandbox(go)) == ("cancelled", 1)
+
+
+@pytest.mark.parametrize("name", ["bash", "qwen_tools", "tbrl", "tmax"])
+def test_agent_prompt_file_replaces_the_system_prompt_with_the_same_variables(tmp_path, name):
+    """agent.prompt: a file replaces the scaffold's built-in system prompt, its $variables filled the same way;
+    a missing file is an error naming the key."""
+    p = tmp_path / "p.md"
+    p.write_text("Short prompt. Stop with $sentinel; commands end after $timeout s.\nTask: $instruction\n")
+    system = make_scaffold(name, prompt=str(p), command_timeout_s=7).initial_messages("do X")[0]["content"]
+    assert system.startswith("Short prompt.") and "after 7 s" in system
+    if name == "bash":
+        assert system.endswith("Task: do X\n") and "JAXRL_TERM_TASK_COMPLETE" in system
+    default = make_scaffold(name).initial_messages("do X")[0]["content"]
+    assert not default.startswith("Short prompt.")
+    with pytest.raises(FileNotFoundError, match="agent.prompt"):
+        make_scaffold(name, prompt=str(tmp_path / "missing.md"))

@@ -256,3 +256,36 @@ def test_nan_rewards_are_refused_with_their_position():
         group_advantages(np.ones((2, 1), np.float32), "rloo")
     with pytest.raises(ValueError, match="known estimators"):
         group_advantages(np.ones((2, 2), np.float32), "ppo")
+
+
+def test_rft_advantage_makes_the_on_policy_ppo_gradient_the_nll_gradient_of_the_successes():
+    """algo.advantage=rft: A = R (0/1), so at ratio 1 the clipped surrogate's gradient is the gradient of the
+    successes' negative log-likelihood (the failures contribute nothing): RFT on the policy's own samples."""
+    rewards = np.array([[1.0, 0.0, 1.0, 0.0]], np.float32)
+    adv = group_advantages(rewards, "rft")
+    np.testing.assert_array_equal(adv, rewards)
+    rng = np.random.RandomState(3)
+    old = np.log(rng.uniform(0.05, 0.9, (4, 6))).astype(np.float32)
+    mask = (rng.uniform(size=(4, 6)) < 0.8).astype(np.float32)
+    a_tok = np.repeat(adv.reshape(4, 1), 6, axis=1)
+
+    def surrogate(logp):
+        return aggregate(ppo_clip_loss(logp, old, a_tok, mask, 0.2, 0.28), mask, "seq-mean-token-mean")[0]
+
+    def nll_of_successes(logp):
+        per_seq = (-logp * mask).sum(1) / np.maximum(mask.sum(1), 1.0)
+        return (per_seq * rewards.reshape(4)).sum()
+
+    np.testing.assert_allclose(np.asarray(jax.grad(surrogate)(jnp.asarray(old))),
+                               np.asarray(jax.grad(nll_of_successes)(jnp.asarray(old))), rtol=1e-5, atol=1e-7)
+
+
+def test_placebo_shuffle_permutes_the_whole_batch_and_is_seeded():
+    from jaxrl_term.rl.advantages import shuffled_rewards
+
+    r = np.arange(12, dtype=np.float32).reshape(3, 4)
+    a, b = shuffled_rewards(r, seed=1), shuffled_rewards(r, seed=1)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == r.shape and sorted(a.ravel()) == sorted(r.ravel()) and not np.array_equal(a, r)
+    assert any(set(row) != set(orig) for row, orig in zip(a, r))  # episodes move across groups too
+    assert not np.array_equal(shuffled_rewards(r, seed=2), a)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SHARED, need
-from jaxrl_term.tasks.builtin import DIFFICULTIES, FAMILIES, builtin_tasks, generate, param_key
+from jaxrl_term.tasks.builtin import (DIFFICULTIES, FAMILIES, SPLITS, NoInstanceError, builtin_tasks, generate,
+                                      param_key)
 from jaxrl_term.tasks.formats import count_tests, export_harbor, load_tasks, save_parquet
 from jaxrl_term.tasks.task import FileBlob, TaskFormatError
 
@@ -180,8 +181,9 @@ def test_cli_ls_and_convert(tmp_path):
 
 
 def test_builtin_families_cover_three_difficulties_and_at_least_eight_families():
-    tasks = builtin_tasks(1)
-    assert len(FAMILIES) >= 8 and len(tasks) == len(FAMILIES) * len(DIFFICULTIES)
+    tasks = builtin_tasks(1) + builtin_tasks(1, split="heldout")  # a cell may be wholly in one split
+    assert len(FAMILIES) >= 8
+    assert {(t.metadata["family"], t.difficulty) for t in tasks} == {(f, d) for f in FAMILIES for d in DIFFICULTIES}
     for t in tasks:
         assert t.solution and t.tests.runner == "pytest" and "FROM jaxrl-term/base:trixie" in t.environment.dockerfile
         assert count_tests(t) >= 1 and t.difficulty in DIFFICULTIES
@@ -192,15 +194,60 @@ def test_builtin_generation_is_seeded():
     assert a == b and generate("csv_stats", "hard", seed=4) != a
 
 
-def test_train_and_heldout_splits_never_share_an_instance():
-    for fam in FAMILIES:
-        keys = {}
-        for split in ("train", "heldout"):
-            keys[split] = {generate(fam, d, split=split, seed=s).metadata["param_key"]
-                           for d in DIFFICULTIES for s in range(6)}
-            for t in (generate(fam, "easy", split=split, seed=s) for s in range(3)):
-                assert t.metadata["split"] == split
-        assert keys["train"] and keys["heldout"] and not keys["train"] & keys["heldout"], fam
+# the cells whose instruction never changes (only the files the agent has yet to read do)
+CONSTANT_INSTRUCTION = [("sort_uniq", "easy"), ("sort_uniq", "medium"), ("csv_stats", "easy"), ("csv_stats", "medium"),
+                        ("csv_stats", "hard"), ("json_to_csv", "hard"), ("find_files", "medium")]
+
+
+def test_train_and_heldout_splits_never_share_an_instance(caplog):
+    """The split is a hash of family and instruction (what the model sees), so no instance and no instruction is
+    in both splits, over every family, difficulty and seed; a constant-instruction cell falls wholly in one split:
+    ``generate`` refuses it for the other at once and ``builtin_tasks`` skips it there, naming it in one warning."""
+    import time
+
+    tasks, warnings = {}, {}
+    for split in SPLITS:
+        with caplog.at_level("WARNING", logger="jaxrl_term.tasks.builtin"):
+            caplog.clear()
+            tasks[split] = [t for seed in (0, 1, 2) for t in builtin_tasks(4, split=split, seed=seed)]
+            warnings[split] = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+        assert all(t.metadata["split"] == split for t in tasks[split])
+    texts = {s: {t.instruction for t in tasks[s]} for s in SPLITS}
+    keys = {s: {t.metadata["param_key"] for t in tasks[s]} for s in SPLITS}
+    assert not texts["train"] & texts["heldout"] and not keys["train"] & keys["heldout"]
+    assert len([f for f in FAMILIES if any(t.metadata["family"] == f for t in tasks["heldout"])]) >= 8
+    for fam, d in CONSTANT_INSTRUCTION:
+        cells = {s: [t for t in tasks[s] if (t.metadata["family"], t.difficulty) == (fam, d)] for s in SPLITS}
+        (home,) = [s for s in SPLITS if cells[s]]  # exactly one split holds the cell
+        other = "heldout" if home == "train" else "train"
+        assert len({t.instruction for t in cells[home]}) == 1 and len(cells[home]) == 12
+        assert len(warnings[other]) == 3 and all(f"{fam}/{d}" in w for w in warnings[other])  # one a call
+        t0 = time.monotonic()
+        with pytest.raises(NoInstanceError, match=f"{fam}/{d} has no {other} instance"):
+            generate(fam, d, split=other, seed=7)
+        assert time.monotonic() - t0 < 1.0
+    assert not any(w for w in warnings["train"] if "sort_uniq/easy" in w)  # a constant cell in train is kept there
+
+
+def test_training_refuses_heldout_tasks_whose_instruction_is_a_training_tasks(monkeypatch):
+    """A held-out task with a training task's exact prompt is not held out: the trainer refuses it, naming both."""
+    from types import SimpleNamespace
+
+    from jaxrl_term.tasks import dataset
+    from jaxrl_term.train import Trainer
+
+    train = [generate("csv_stats", "easy", seed=1), generate("sed_config", "easy", seed=1)]
+    same_prompt = generate("csv_stats", "easy", seed=2)  # other data file, same instruction
+    assert same_prompt.id != train[0].id and same_prompt.instruction == train[0].instruction
+    fake = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(eval_every=1, eval_before_train=True),
+                                               eval=SimpleNamespace(data=None)))
+    heldout = builtin_tasks(1, families=["sed_config", "find_files"], split="heldout")
+    monkeypatch.setattr(dataset, "load_from_config", lambda data: [*heldout, same_prompt])
+    with pytest.raises(ValueError, match="1 held-out task.s. have an instruction byte-identical") as e:
+        Trainer.load_heldout(fake, train)
+    assert same_prompt.id in str(e.value) and train[0].id in str(e.value) and "eval.data.split=heldout" in str(e.value)
+    monkeypatch.setattr(dataset, "load_from_config", lambda data: heldout)
+    assert Trainer.load_heldout(fake, train) == heldout
 
 
 def test_param_key_depends_on_family_and_params():

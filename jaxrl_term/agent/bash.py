@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts, load_prompt
+from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts
 from jaxrl_term.agent.text import head_tail, split_thinking
 from jaxrl_term.agent.tools import ToolResult
 
@@ -60,7 +60,7 @@ class BashScaffold(Scaffold):
     name = "bash"
 
     def initial_messages(self, instruction: str) -> list[dict]:
-        prompt = load_prompt("bash", instruction=instruction, sentinel=SENTINEL, timeout=int(self.command_timeout_s))
+        prompt = self.system_prompt("bash", instruction=instruction, sentinel=SENTINEL, timeout=int(self.command_timeout_s))
         return [{"role": "system", "content": prompt}, {"role": "user", "content": "Begin working on the task."}]
 
     def parse(self, text: str) -> Parsed:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, load_prompt
+from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold
 from jaxrl_term.agent.text import head_tail, split_thinking
 from jaxrl_term.agent.tmax import native_assistant_message
 from jaxrl_term.agent.tools import TOOL_SCHEMAS, ToolError, ToolResult, validate
@@ -23,7 +23,7 @@ class QwenToolsScaffold(Scaffold):
     tools = TOOL_SCHEMAS
 
     def initial_messages(self, instruction: str) -> list[dict]:
-        prompt = load_prompt("qwen_tools", instruction=instruction, timeout=int(self.command_timeout_s))
+        prompt = self.system_prompt("qwen_tools", instruction=instruction, timeout=int(self.command_timeout_s))
         return [{"role": "system", "content": prompt}, {"role": "user", "content": "Begin working on the task."}]
 
     def parse(self, text: str) -> Parsed:

@@ -10,6 +10,7 @@ import abc
 import dataclasses
 import importlib.resources
 import string
+from pathlib import Path
 from typing import Any
 
 from jaxrl_term.agent.tools import ToolResult
@@ -56,10 +57,23 @@ class Scaffold(abc.ABC):
     tools: list | None = None  # passed to the chat template (native tool calling)
 
     def __init__(self, *, max_actions_per_turn: int = 10, max_observation_chars: int = 16000,
-                 command_timeout_s: float = 30.0):
+                 command_timeout_s: float = 30.0, prompt: str | None = None):
         self.max_actions_per_turn = max_actions_per_turn
         self.max_observation_chars = max_observation_chars
         self.command_timeout_s = command_timeout_s
+        self.prompt = None
+        if prompt:  # agent.prompt: a file replacing the built-in system prompt
+            path = Path(prompt).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"agent.prompt={prompt}: no such file; give a system prompt template "
+                                        f"(see jaxrl_term/agent/prompts/{self.name}.md for its $variables)")
+            self.prompt = path.read_text()
+
+    def system_prompt(self, name: str, **values: Any) -> str:
+        """The built-in prompt ``name`` or agent.prompt's file, with ``$values`` filled in."""
+        if self.prompt is None:
+            return load_prompt(name, **values)
+        return string.Template(self.prompt).safe_substitute(**values)
 
     @abc.abstractmethod
     def initial_messages(self, instruction: str) -> list[dict]:

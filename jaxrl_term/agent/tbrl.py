@@ -28,7 +28,7 @@ from collections import defaultdict
 
 import yaml
 
-from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts, load_prompt
+from jaxrl_term.agent.scaffold import Action, Parsed, Scaffold, from_parts
 from jaxrl_term.agent.text import head_tail, split_thinking
 from jaxrl_term.agent.tools import TOOL_NAMES, ToolError, ToolResult, validate
 
@@ -123,7 +123,7 @@ class TbrlScaffold(Scaffold):
     name = "tbrl"
 
     def initial_messages(self, instruction: str) -> list[dict]:
-        return [{"role": "system", "content": load_prompt("tbrl", timeout=int(self.command_timeout_s)).strip()},
+        return [{"role": "system", "content": self.system_prompt("tbrl", timeout=int(self.command_timeout_s)).strip()},
                 {"role": "user", "content": instruction}]
 
     def parse(self, text: str) -> Parsed:

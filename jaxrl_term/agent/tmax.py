@@ -82,12 +82,13 @@ class TmaxScaffold(Scaffold):
     tools = [BASH_TOOL]
 
     def __init__(self, *, max_actions_per_turn: int = 1, max_observation_chars: int = 10_000,
-                 command_timeout_s: float = 120.0):
+                 command_timeout_s: float = 120.0, prompt: str | None = None):
         super().__init__(max_actions_per_turn=1, max_observation_chars=max_observation_chars,
-                         command_timeout_s=command_timeout_s)
+                         command_timeout_s=command_timeout_s, prompt=prompt)
 
     def initial_messages(self, instruction: str) -> list[dict]:
-        return [{"role": "system", "content": load_prompt("tmax_system").strip() + "\n"},
+        system = self.system_prompt("tmax_system", marker=SUBMIT_MARKER, timeout=int(self.command_timeout_s))
+        return [{"role": "system", "content": system.strip() + "\n"},
                 {"role": "user", "content": load_prompt("tmax", task=instruction.strip(), marker=SUBMIT_MARKER,
                                                         timeout=int(self.command_timeout_s))}]
 

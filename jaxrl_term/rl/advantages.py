@@ -4,6 +4,9 @@ Formulas (shared/reference/rl-objectives.md):
   grpo     (R_i - mean R) / (std R + eps)
   drgrpo   R_i - mean R                         ("centered", Tmax)
   rloo     R_i - mean_{j != i} R_j = G/(G-1) (R_i - mean R)   (alias: loop, the Terminal-Bench-RL run)
+  rft      R_i (no baseline): with a 0/1 outcome reward and on-policy samples the policy-gradient loss is the
+           NLL of the successful episodes, i.e. rejection-sampling fine-tuning on the policy's own successes
+           (keep all-success groups: trainer.drop_zero_variance=false)
 """
 
 from __future__ import annotations
@@ -43,6 +46,18 @@ def leave_one_out(rewards, **_):
     if g < 2:
         raise ValueError("rloo/loop advantages need at least 2 rollouts per group (algo.group_size >= 2)")
     return (rewards - rewards.mean(axis=-1, keepdims=True)) * (g / (g - 1))
+
+
+@register_estimator("rft")
+def rejection_sampling(rewards, **_):
+    return rewards
+
+
+def shuffled_rewards(rewards, seed: int):
+    """The placebo control (``algo.shuffle_rewards``): the batch's rewards permuted across all its episodes
+    (groups included), so advantages keep their distribution but lose their link to what each episode did."""
+    flat = np.asarray(rewards, np.float32).reshape(-1)
+    return np.random.default_rng(seed).permutation(flat).reshape(np.shape(rewards))
 
 
 def group_advantages(rewards, estimator: str = "grpo", *, eps: float = 1e-6, std_ddof: int = 0,

@@ -61,6 +61,7 @@ class AlgoConfig:
     # replies; their sampled tokens are mostly noise, pushing them up or down teaches the format nothing)
     mask_turns: str = "none"
     negative_weight: float = 1.0  # scale of negative advantages (0: positive only; 0.1: W-REINFORCE)
+    shuffle_rewards: bool = False  # placebo control: permute each batch's rewards before the advantages
 
     def __post_init__(self):
         errors = self.problems()

@@ -2,15 +2,22 @@
 
 Each family draws its parameters from a seeded RNG at one of three difficulties and returns an instruction,
 build-context files, pytest tests (every test fails in the initial state) and an oracle ``solve.sh``, on
-``jaxrl-term/base:trixie``. A parameter set belongs to the train or the held-out split by a hash of the
-family and its parameters, so the splits never share an instance.
+``jaxrl-term/base:trixie``. An instance belongs to the train or the held-out split by a hash of the family and
+its *instruction text* (what the model sees before acting; not the file contents it has yet to read), so the
+splits never share an instance nor an instruction: prompt-identical instances always fall in the same split. A
+(family, difficulty) cell whose instruction is constant (``sort_uniq`` easy / medium, ``csv_stats``, ...) or
+comes from a short list falls wholly, or mostly, in one split: ``generate`` refuses a cell with no instance of
+the asked split (``NoInstanceError``, found by a cached scan of the cell) and ``builtin_tasks`` skips such cells
+with one warning. Task ids stay a hash of family and parameters (``param_key``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import logging
 import random
 import shlex
 from collections import Counter
@@ -21,6 +28,7 @@ from jaxrl_term.tasks.task import Environment, FileBlob, Solution, Task, Tests
 BASE_IMAGE = "jaxrl-term/base:trixie"
 DIFFICULTIES = ("easy", "medium", "hard")
 SPLITS = ("train", "heldout")
+log = logging.getLogger(__name__)
 WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper", "kernel",
          "lumen", "maple", "nectar", "onyx", "pixel", "quartz", "raven", "sierra", "tundra", "umber", "vector",
          "willow", "xenon", "yonder", "zephyr")
@@ -415,10 +423,30 @@ CATEGORIES = {
 # ---------------------------------------------------------------------------------------------- assembly
 
 
-def split_of(family: str, params: dict) -> str:
-    key = json.dumps(params, sort_keys=True, default=str)
-    h = int(hashlib.sha256(f"{family}\0{key}".encode()).hexdigest(), 16)
+class NoInstanceError(ValueError):
+    """A (family, difficulty) cell has no instance in the asked split: all its instructions hash to the other."""
+
+
+def split_of(family: str, instruction: str) -> str:
+    """The split of an instance, decided by what the model sees: its family and instruction text (about 1 in 5
+    instructions is held out). Instances with byte-identical instructions always share a split."""
+    h = int(hashlib.sha256(f"{family}\0{instruction}".encode()).hexdigest(), 16)
     return "heldout" if h % 5 == 0 else "train"
+
+
+_SCAN_DRAWS = 400
+
+
+@functools.cache
+def cell_splits(family: str, difficulty: str) -> frozenset[str] | None:
+    """The splits that a cell's instructions fall in, from a fixed scan of ``_SCAN_DRAWS`` draws, when the scan
+    saw every instruction at least twice (a small instruction space, seen whole: Good-Turing's estimate of the
+    unseen share is then 0); None for a large space (its instructions fall in both splits)."""
+    rng = random.Random(f"scan/{family}/{difficulty}")
+    seen = Counter(FAMILIES[family](rng, difficulty).instruction for _ in range(_SCAN_DRAWS))
+    if 1 in seen.values():
+        return None
+    return frozenset(split_of(family, i) for i in seen)
 
 
 def param_key(family: str, params: dict) -> str:
@@ -426,18 +454,24 @@ def param_key(family: str, params: dict) -> str:
 
 
 def generate(family: str, difficulty: str, *, split: str = "train", seed: int = 0) -> Task:
-    """One instance of ``family`` at ``difficulty`` from the ``split`` parameter space, seeded."""
+    """One instance of ``family`` at ``difficulty`` from the ``split`` instruction space, seeded; a cell with no
+    instance of ``split`` raises ``NoInstanceError`` within 16 draws."""
     if family not in FAMILIES:
         raise ValueError(f"unknown built-in family {family!r}; known: {sorted(FAMILIES)}")
     if difficulty not in DIFFICULTIES or split not in SPLITS:
         raise ValueError(f"difficulty must be one of {DIFFICULTIES} and split one of {SPLITS}")
     rng = random.Random(f"{family}/{difficulty}/{split}/{seed}")
-    for _ in range(1000):
+    for i in range(1000):
         spec = FAMILIES[family](rng, difficulty)
-        if split_of(family, spec.params) == split:
+        if split_of(family, spec.instruction) == split:
             break
+        if i == 15 and split not in (cell_splits(family, difficulty) or SPLITS):
+            raise NoInstanceError(
+                f"{family}/{difficulty} has no {split} instance: the split is a hash of the instruction, and every "
+                f"instruction of this cell is in the {'train' if split == 'heldout' else 'heldout'} split; "
+                f"use another difficulty or family")
     else:
-        raise RuntimeError(f"{family}/{difficulty}: could not draw a {split} instance")
+        raise NoInstanceError(f"{family}/{difficulty}: could not draw a {split} instance in 1000 tries")
     files = {k: FileBlob(*v) if isinstance(v, tuple) else FileBlob(v) for k, v in spec.files.items()}
     lines = [f"FROM {BASE_IMAGE}", "WORKDIR /app"]
     lines += [f"COPY {shlex.quote(k)} /app/{shlex.quote(k)}" for k in sorted(files)]
@@ -461,17 +495,25 @@ def builtin_tasks(
     split: str = "train",
     seed: int = 0,
 ) -> list[Task]:
-    """``n_per_cell`` instances for every (family, difficulty), ids unique."""
-    out, seen = [], set()
+    """``n_per_cell`` instances for every (family, difficulty) that has any in ``split``, ids unique; the cells
+    with none (all their instructions in the other split) are skipped with one warning naming them."""
+    out, seen, empty = [], set(), []
     for fam in families or list(FAMILIES):
         for diff in difficulties:
             k = 0
             while sum(1 for t in out if t.metadata["family"] == fam and t.difficulty == diff) < n_per_cell:
-                t = generate(fam, diff, split=split, seed=seed * 100_003 + k)
+                try:
+                    t = generate(fam, diff, split=split, seed=seed * 100_003 + k)
+                except NoInstanceError:
+                    empty.append(f"{fam}/{diff}")
+                    break
                 k += 1
                 if t.id not in seen:
                     seen.add(t.id)
                     out.append(t)
                 if k > 50 * n_per_cell:
                     break
+    if empty:
+        log.warning("built-in %s split: skipped %d cell(s) with no %s instance (their instructions are all in the "
+                    "other split): %s", split, len(empty), split, ", ".join(empty))
     return out

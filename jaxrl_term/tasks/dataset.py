@@ -24,7 +24,8 @@ def load_dataset(
     skip_bad: bool = True,
     seed: int = 0,
 ) -> list[Task]:
-    """``source``: ``builtin`` (``n_per_cell`` instances per family x difficulty from ``split``), or anything
+    """``source``: ``builtin`` (``n_per_cell`` instances per family x difficulty from ``split``; a cell with
+    none in ``split``, all its instructions in the other, is skipped with a warning), or anything
     ``load_tasks`` reads. Filters apply in order (difficulties, ids, exclusions); ``limit`` keeps a seeded
     random subset. Bad tasks are skipped with a warning when ``skip_bad``."""
     if source == "builtin":

@@ -518,7 +518,7 @@ def _load_dir_task(d: Path) -> Task:
 
 def load_tasks(source: str | os.PathLike, *, skip_bad: bool = False, errors: list | None = None) -> list[Task]:
     """Tasks from a TB1 or Harbor task dir, a folder of them, a TB-RL CSV, our Parquet file, or
-    ``builtin[:train|heldout]`` (one instance of every built-in family and difficulty).
+    ``builtin[:train|heldout]`` (one instance of every built-in family and difficulty that has one in the split).
 
     With ``skip_bad`` a task that fails to load is logged (and appended to ``errors``) and the rest load.
     """

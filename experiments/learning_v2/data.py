@@ -1,0 +1,106 @@
+"""The experiment's data, written once per SFT seed: RL training tasks, held-out tasks, SFT demonstrations and
+the disjointness check (``prepare``).
+
+The demonstrations are real agent-loop episodes of the teacher's scripted replies (``family.demo``): the chat
+template, the scaffold's parser and observation format, the token stream and loss mask the trainer uses. Only
+the sandbox is replaced, by ``ScriptedShell``, which prints what the base image prints for those commands
+(tests/test_learning_v2.py runs a sample of them on the real sandbox and compares the token streams), so
+thousands of them cost seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from pathlib import Path
+
+import family
+
+from jaxrl_term.sandbox.base import CommandResult
+
+
+class ScriptedShell:
+    """The one sandbox method the ``bash`` tool calls, answering each demonstrated command with its output."""
+
+    def __init__(self, outputs: dict[str, str]):
+        self.outputs = outputs
+
+    async def run(self, command: str, timeout_s: float) -> CommandResult:
+        return CommandResult(self.outputs[command], 0, False, False, 0.0)
+
+
+async def episodes(specs, looks, tokenizer, agent_cfg) -> list:
+    """One demonstration episode per (spec, look)."""
+    from jaxrl_term.agent.loop import run_episode
+    from jaxrl_term.rollout.oracle import ReplayEngine
+
+    out = []
+    for spec, look in zip(specs, looks):
+        replies, outputs = family.demo(spec, look)
+        traj = await run_episode(family.to_task(spec), ReplayEngine(tokenizer, replies), ScriptedShell(outputs),
+                                 tokenizer, agent_cfg.scaffold_obj(), limits=agent_cfg.limits(),
+                                 enable_thinking=agent_cfg.enable_thinking)
+        if traj.end_reason != "finished":
+            raise RuntimeError(f"demonstration of {family.task_id(spec)} ended {traj.end_reason}: {traj.error}")
+        out.append(traj)
+    return out
+
+
+def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,
+            tokenizer, agent_cfg) -> dict:
+    """Write ``root``/{train.parquet, heldout.parquet, sft_<seed>.jsonl, data.json}; return data.json's content.
+
+    SFT demonstrations (one set per SFT seed): the teacher looks first in ``look_frac`` of them (on any task);
+    the others assume the default format and are made on tasks where that is right (the teacher's
+    demonstrations are successes; it simply did not need to look there). RL tasks: fresh training-split tasks,
+    the same for every run. Held-out tasks: one set for every run, avoiding every SFT/RL instruction's word
+    n-grams; the experiment refuses to go on unless every overlap count is 0.
+    """
+    from jaxrl_term.tasks.formats import save_parquet
+
+    done = root / "data.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    specs, looks = generate(sft_seeds=sft_seeds, n_sft=n_sft, look_frac=look_frac, n_rl=n_rl, n_heldout=n_heldout)
+    rl_specs, heldout = specs["rl"], specs["heldout"]
+    info: dict = {"sft": {}, "rl_tasks": len(rl_specs), "rl_default_ok": sum(s.default_ok for s in rl_specs)}
+    for seed in sft_seeds:
+        trajs = asyncio.run(episodes(specs[f"sft_{seed}"], looks[seed], tokenizer, agent_cfg))
+        tmp = root / f"sft_{seed}.jsonl.tmp"
+        tmp.write_text("".join(json.dumps({"token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
+                                           "task": t.task_id, "kind": "look" if look else "assume"}) + "\n"
+                               for t, look in zip(trajs, looks[seed])))
+        tmp.replace(root / f"sft_{seed}.jsonl")
+        info["sft"][seed] = {"demonstrations": len(trajs), "look": sum(looks[seed]),
+                             "tokens_max": max(len(t.token_ids) for t in trajs)}
+    training = {k: v for k, v in specs.items() if k != "heldout"}
+    check = family.disjointness(heldout, training)
+    if not check["all_zero"]:
+        raise RuntimeError(f"held-out tasks overlap the training data: {check}")
+    save_parquet([family.to_task(s) for s in rl_specs], root / "train.parquet")
+    save_parquet([family.to_task(s) for s in heldout], root / "heldout.parquet")
+    info.update({"heldout_tasks": len(heldout), "heldout_default_ok": sum(s.default_ok for s in heldout),
+                 "heldout_grades": {g: sum(s.grade == g for s in heldout) for g in range(3)},
+                 "disjointness": check})
+    (root / "instructions.json").write_text(json.dumps({k: [s.instruction for s in v] for k, v in specs.items()}))
+    done.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int
+             ) -> tuple[dict[str, list], dict[int, list[bool]]]:
+    """Every task spec of the experiment, deterministic in its arguments: {"sft_<seed>": .., "rl": ..,
+    "heldout": ..} and, per SFT seed, which demonstrations look first."""
+    specs: dict[str, list] = {"rl": family.make_train(n_rl, 10_000)}
+    looks: dict[int, list[bool]] = {}
+    for seed in sft_seeds:
+        rng = random.Random(f"learning_v2/sft/{seed}")
+        pool = family.make_train(8 * n_sft, seed)
+        looks[seed] = [rng.random() < look_frac for _ in range(n_sft)]
+        ok_iter, any_iter = iter([s for s in pool if s.default_ok]), iter(pool[::-1])
+        specs[f"sft_{seed}"] = [next(any_iter) if look else next(ok_iter) for look in looks[seed]]
+    seen = set().union(*(family.ngrams(s.instruction) for v in specs.values() for s in v))
+    specs["heldout"] = family.make_heldout(n_heldout, 0, seen)
+    return specs, looks

@@ -1,0 +1,296 @@
+"""The ``fields`` task family of the learning_v2 experiment: a file whose format the instruction does not state.
+
+Each task asks for one result computed from one field of the records in a data file (the values of field k,
+its distinct values, its sum or largest value, or the number of records). Two attributes of the file are
+hidden, i.e. never named by the instruction:
+
+- the delimiter: ``,`` (the default a hurried agent assumes) or ``;``, ``|``, ``:``;
+- a header line: absent (the default) or a first line ``# name<d>colour<d>small<d>large``.
+
+An agent that assumes the default writes ``awk -F',' '{...}'``; that passes only when the file happens to be in
+the default format (or the op does not depend on what differs). An agent that looks first (``head -n 3 FILE``)
+can pick the delimiter and skip the header. The SFT teacher mostly assumes the default and looks first in a
+minority of its demonstrations (``demo``); RL can discover that looking pays. ``grade`` = the number of hidden
+attributes that differ from the default; ``default_ok`` = whether the default command passes this task.
+
+Splits are disjoint by construction (``disjointness`` checks it on the generated text):
+- file names: pseudo-words; a name belongs to one split by a hash, so every held-out instruction names files
+  that no SFT or RL instruction names;
+- instruction templates: every template slot has phrasings reserved for the held-out split, and a held-out
+  instruction uses a reserved phrasing in every slot, so no (template, parameters) combination of the held-out
+  split occurs in SFT or RL data;
+- held-out instructions that would share a word n-gram with any SFT/RL instruction are redrawn.
+
+Everything here is pure Python (no sandbox): tasks are ``jaxrl_term`` Tasks on the base image with pytest tests
+and an oracle; demonstrations are the scripted replies and the outputs the sandbox gives for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import re
+import shlex
+
+from jaxrl_term.agent.actions import SENTINEL
+from jaxrl_term.tasks.task import Environment, FileBlob, Solution, Task, Tests
+
+BASE_IMAGE = "jaxrl-term/base:trixie"
+DELIMS = (",", ";", "|", ":")
+DEFAULT_DELIM = ","
+EXTS = ("txt", "csv", "dat")
+SYLLABLES = ("ba", "ko", "mi", "ru", "te", "lo", "na", "vi", "se", "du", "pa", "ri", "go", "le", "mu", "ta",
+             "ne", "fo", "zi", "ka", "so", "de", "ju", "wa")
+WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper", "kernel",
+         "lumen", "maple", "nectar", "onyx", "pixel")
+COLOURS = ("red", "blue", "green", "amber", "teal", "violet")
+HEADER = ("name", "colour", "small", "large")
+OPS = ("values", "distinct", "sum", "max", "count")
+FIELDS = {"values": (1, 2, 3, 4), "distinct": (1, 2), "sum": (3, 4), "max": (3, 4), "count": (None,)}
+
+# Template slots. Each has phrasings for training (SFT and RL data) and phrasings reserved for the held-out
+# split; {src} / {dst} are the input / output paths, {what} the op's phrase (itself a slot).
+INTRO = {
+    "train": ("The file {src} holds one record per line.", "Each line of {src} is a record.",
+              "{src} contains records, one per line.", "There are records in {src}, one on each line."),
+    "heldout": ("Records are stored line by line in {src}.", "You are given {src}, a file with a record per line."),
+}
+ASK = {
+    "train": ("Write {what} to {dst}.", "Save {what} in {dst}.", "Put {what} into {dst}."),
+    "heldout": ("Store {what} as {dst}.", "Create {dst} holding {what}."),
+}
+WHAT = {  # (train phrasings, held-out phrasings) per op; the op's key word is shared, the wording around it not
+    "values": (("the values of field {k}, one per line in file order",
+                "field {k} of every record, one per line, in order"),
+               ("field {k} values of the records, each on its own line, in file order",)),
+    "distinct": (("the distinct values of field {k}, sorted, one per line",
+                  "the sorted distinct values of field {k}, one per line"),
+                 ("the distinct field {k} values, once each, sorted, a line apiece",)),
+    "sum": (("the sum of field {k} over all records", "the total of field {k} over the records"),
+            ("the sum over every record of field {k}",)),
+    "max": (("the largest value of field {k}", "the maximum of field {k} over the records"),
+            ("the largest field {k} value among the records",)),
+    "count": (("the number of records", "how many records there are"),
+              ("the number of records in the file",)),
+}
+REASON = {
+    "assume": "The file is comma separated, so I will compute the answer with awk.",
+    "look": "I do not know the file's format yet, so I will look at its first lines.",
+    "act": "Now I know the delimiter{hdr}, so I will compute the answer with awk.",
+    "done": "The result is written, so the task is done.",
+}
+NGRAM = 6  # word n-grams a held-out instruction may not share with any SFT/RL instruction
+
+
+def _h(*parts) -> int:
+    return int(hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest(), 16)
+
+
+def name_split(name: str) -> str:
+    """A file name belongs to one split: 1 in 4 names is held-out."""
+    return "heldout" if _h("fields-name", name) % 4 == 0 else "train"
+
+
+def _name(rng: random.Random, split: str) -> str:
+    for _ in range(1000):
+        n = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3))))
+        if name_split(n) == split:
+            return n
+    raise RuntimeError(f"no {split} name drawn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    split: str
+    op: str
+    k: int | None
+    src: str  # /app/<name>.<ext>
+    dst: str  # /app/<name>.txt
+    delim: str
+    header: bool
+    records: tuple[tuple[str, str, int, int], ...]
+    template: tuple[str, str, str]  # the (intro, ask, what) phrasings it was written from
+    instruction: str
+
+    @property
+    def grade(self) -> int:
+        return int(self.delim != DEFAULT_DELIM) + int(self.header)
+
+    @property
+    def lines(self) -> list[str]:
+        head = [f"# {self.delim.join(HEADER)}"] if self.header else []
+        return head + [self.delim.join(map(str, r)) for r in self.records]
+
+    @property
+    def data(self) -> str:
+        return "".join(line + "\n" for line in self.lines)
+
+    @property
+    def expected(self) -> list[str]:
+        return run_awk(self, self.delim, self.header)
+
+    @property
+    def default_ok(self) -> bool:
+        return run_awk(self, DEFAULT_DELIM, False) == self.expected
+
+
+def draw(rng: random.Random, split: str) -> Spec:
+    op = rng.choice(OPS)
+    k = rng.choice(FIELDS[op])
+    src = f"/app/{_name(rng, split)}.{rng.choice(EXTS)}"
+    dst = f"/app/{_name(rng, split)}.txt"
+    while dst.rsplit(".", 1)[0] == src.rsplit(".", 1)[0]:
+        dst = f"/app/{_name(rng, split)}.txt"
+    delim = DEFAULT_DELIM if rng.random() < 0.4 else rng.choice(DELIMS[1:])
+    header = rng.random() < 0.5
+    n = rng.randint(4, 8)
+    records = tuple((f"{rng.choice(WORDS)}{i}", rng.choice(COLOURS), rng.randint(1, 99), rng.randint(100, 999))
+                    for i in range(n))
+    template = (rng.choice(INTRO[split]), rng.choice(ASK[split]), rng.choice(WHAT[op][split == "heldout"]))
+    text = template[0].format(src=src) + " " + template[1].format(what=template[2].format(k=k), dst=dst)
+    return Spec(split, op, k, src, dst, delim, header, records, template, text[0].upper() + text[1:])
+
+
+# ----------------------------------------------------------------------------------------- commands
+
+
+def command(spec: Spec, delim: str, header: bool) -> str:
+    """The awk command for ``spec`` under an assumed format (the oracle's when it is the file's)."""
+    skip = "!/^#/ " if header else ""
+    d = shlex.quote(delim)
+    src, dst = spec.src, spec.dst
+    if spec.op == "values":
+        return f"awk -F{d} '{skip}{{print ${spec.k}}}' {src} > {dst}"
+    if spec.op == "distinct":
+        return f"awk -F{d} '{skip}{{print ${spec.k}}}' {src} | sort -u > {dst}"
+    if spec.op == "sum":
+        return f"awk -F{d} '{skip}{{s += ${spec.k}}} END {{print s}}' {src} > {dst}"
+    if spec.op == "max":
+        return f"awk -F{d} '{skip}{{print ${spec.k}}}' {src} | sort -n | tail -n 1 > {dst}"
+    return f"awk '{skip}{{n++}} END {{print n}}' {src} > {dst}"
+
+
+def _num(s: str) -> float:
+    """awk's string -> number: the longest leading numeric prefix, else 0."""
+    m = re.match(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", s)
+    return float(m.group(0)) if m else 0.0
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if x == int(x) else repr(x)
+
+
+def run_awk(spec: Spec, delim: str, header: bool) -> list[str]:
+    """The output lines ``command(spec, delim, header)`` gives on ``spec``'s file (awk, sort -u / -n semantics
+    for these inputs; checked against the real tools by tests/test_learning_v2.py)."""
+    lines = [ln for ln in spec.lines if not (header and ln.startswith("#"))]
+    if spec.op == "count":
+        return [str(len(lines))]
+    cols = [ln.split(delim) for ln in lines]
+    vals = [c[spec.k - 1] if spec.k - 1 < len(c) else "" for c in cols]
+    if spec.op == "values":
+        return vals
+    if spec.op == "distinct":
+        return sorted(set(vals), key=lambda v: v.encode())
+    if spec.op == "sum":
+        return [_fmt(sum(_num(v) for v in vals))]
+    # sort -n: by numeric prefix (non-numbers as 0), ties by the whole line (bytes); tail -n 1 = the last
+    return [sorted(vals, key=lambda v: (_num(v), v.encode()))[-1]]
+
+
+# ------------------------------------------------------------------------------------------- tasks
+
+
+def task_id(spec: Spec) -> str:
+    return "fields-" + hashlib.sha256(f"{spec.instruction}\0{spec.data}".encode()).hexdigest()[:16]
+
+
+def to_task(spec: Spec) -> Task:
+    name = spec.src.rsplit("/", 1)[1]
+    env = Environment(dockerfile=f"FROM {BASE_IMAGE}\nWORKDIR /app\nCOPY {name} {spec.src}\n",
+                      files={name: FileBlob(spec.data.encode())}, workdir="/app")
+    tests = ("from pathlib import Path\n\n\ndef test_result():\n"
+             f"    assert Path({spec.dst!r}).read_text().split('\\n') == {spec.expected + ['']!r}\n")
+    sol = "#!/bin/bash\nset -e\n" + command(spec, spec.delim, spec.header) + "\n"
+    meta = {"difficulty": "easy", "category": "data-processing", "tags": ["fields", "learning_v2"],
+            "source": "learning_v2", "family": "fields", "split": spec.split, "op": spec.op, "k": spec.k,
+            "delim": spec.delim, "header": spec.header, "grade": spec.grade, "default_ok": spec.default_ok,
+            "src": spec.src, "dst": spec.dst, "template": list(spec.template)}
+    return Task(task_id(spec), spec.instruction, env, Tests("pytest", {"test_outputs.py": FileBlob.text(tests)},
+                                                            "test_outputs.py"),
+                Solution({"solve.sh": FileBlob.text(sol, 0o755)}, "solve.sh"), 120.0, 60.0, meta)
+
+
+def _reply(reason: str, cmd: str) -> str:
+    return f"{reason}\n```bash\n{cmd}\n```"
+
+
+def demo(spec: Spec, look: bool) -> tuple[list[str], dict[str, str]]:
+    """A teacher's demonstration: (replies, {command: the output the sandbox prints for it}). ``look``: read
+    the file's head first, then act on its format; else assume the default (comma, no header)."""
+    done = _reply(REASON["done"], f"echo {SENTINEL}")
+    outputs = {f"echo {SENTINEL}": SENTINEL + "\n"}
+    if not look:
+        cmd = command(spec, DEFAULT_DELIM, False)
+        return [_reply(REASON["assume"], cmd), done], {cmd: "", **outputs}
+    peek = f"head -n 3 {spec.src}"
+    act = command(spec, spec.delim, spec.header)
+    hdr = " and skip the header line" if spec.header else ""
+    return ([_reply(REASON["look"], peek), _reply(REASON["act"].format(hdr=hdr), act), done],
+            {peek: "".join(ln + "\n" for ln in spec.lines[:3]), act: "", **outputs})
+
+
+# ------------------------------------------------------------------------------------------- splits
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+|[^a-z0-9\s]", text.lower())
+
+
+def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    w = words(text)
+    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+
+
+def make_train(n: int, seed: int) -> list[Spec]:
+    rng = random.Random(f"fields/train/{seed}")
+    return [draw(rng, "train") for _ in range(n)]
+
+
+def make_heldout(n: int, seed: int, seen: set[tuple[str, ...]]) -> list[Spec]:
+    """``n`` held-out specs, none sharing a word ``NGRAM``-gram with ``seen`` (the SFT/RL instructions')."""
+    rng = random.Random(f"fields/heldout/{seed}")
+    out, ids = [], set()
+    for _ in range(200 * n):
+        s = draw(rng, "heldout")
+        if not ngrams(s.instruction) & seen and task_id(s) not in ids:
+            out.append(s)
+            ids.add(task_id(s))
+            if len(out) == n:
+                return out
+    raise RuntimeError(f"only {len(out)} of {n} held-out instructions avoid every SFT/RL {NGRAM}-gram")
+
+
+def disjointness(heldout: list[Spec], training: dict[str, list[Spec]]) -> dict:
+    """Overlap counts of the held-out instructions against each training source (all must be 0)."""
+    out: dict = {"ngram_n": NGRAM, "heldout_tasks": len(heldout),
+                 "heldout_instructions": len({s.instruction for s in heldout})}
+    names_h = {p.rsplit("/", 1)[1].rsplit(".", 1)[0] for s in heldout for p in (s.src, s.dst)}
+    for src, specs in training.items():
+        texts = {s.instruction for s in specs}
+        grams = set().union(*(ngrams(t) for t in texts)) if texts else set()
+        combos = {(s.template, s.op, s.k, s.src, s.dst) for s in specs}
+        templates = {s.template for s in specs}
+        slots = [{s.template[i] for s in specs} for i in range(3)]
+        names = {p.rsplit("/", 1)[1].rsplit(".", 1)[0] for s in specs for p in (s.src, s.dst)}
+        out[src] = {"instructions": len(texts),
+                    "exact": sum(s.instruction in texts for s in heldout),
+                    "ngram": sum(bool(ngrams(s.instruction) & grams) for s in heldout),
+                    "combination": sum((s.template, s.op, s.k, s.src, s.dst) in combos for s in heldout),
+                    "template": sum(s.template in templates for s in heldout),
+                    "template_slot": sum(any(s.template[i] in slots[i] for i in range(3)) for s in heldout),
+                    "file_names": len(names_h & names)}
+    out["all_zero"] = all(v[key] == 0 for v in out.values() if isinstance(v, dict)
+                          for key in ("exact", "ngram", "combination", "template", "template_slot", "file_names"))
+    return out

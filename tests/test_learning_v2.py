@@ -1,0 +1,97 @@
+"""The learning_v2 experiment's task family and demonstrations against the real thing (bubblewrap sandbox, agent
+loop, task tests): the awk emulation that decides ``default_ok`` and the expected outputs, the token streams of
+the template demonstrations, the oracle, and the split's disjointness."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import sys
+from pathlib import Path
+
+from conftest import need
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "learning_v2"))
+
+import data  # noqa: E402
+import family  # noqa: E402
+
+
+def _specs() -> list:
+    """One spec per (op, delimiter kind, header), from both splits."""
+    rng, out, seen = random.Random(5), [], set()
+    while len(seen) < len(family.OPS) * 4:
+        s = family.draw(rng, rng.choice(("train", "heldout")))
+        key = (s.op, s.delim == family.DEFAULT_DELIM, s.header)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def test_splits_are_disjoint_and_the_check_sees_an_overlap():
+    specs, _ = data.generate(sft_seeds=[0], n_sft=300, look_frac=0.25, n_rl=64, n_heldout=40)
+    check = family.disjointness(specs["heldout"], {k: v for k, v in specs.items() if k != "heldout"})
+    assert check["all_zero"] and check["heldout_instructions"] == 40
+    # a held-out list that contains a training instruction, or a training template, is caught
+    leaked = family.disjointness(specs["heldout"][:5] + specs["rl"][:1], {"rl": specs["rl"]})
+    assert leaked["rl"]["exact"] == 1 and leaked["rl"]["ngram"] >= 1 and not leaked["all_zero"]
+    assert all(family.name_split(p.rsplit("/", 1)[1].rsplit(".", 1)[0]) == "heldout"
+               for s in specs["heldout"] for p in (s.src, s.dst))
+
+
+def test_emulated_outputs_oracle_and_demonstrations_match_the_real_sandbox(tiny_tokenizer_dir):
+    need(shutil.which("bwrap") is not None, "bubblewrap (bwrap) is not installed")
+    from jaxrl_term.agent.actions import make_scaffold
+    from jaxrl_term.agent.loop import AgentLimits, run_episode
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.reward.verifier import verify
+    from jaxrl_term.rollout.oracle import ReplayEngine
+    from jaxrl_term.tasks.env import open_task_sandbox
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    prompt = str(Path(__file__).resolve().parents[1] / "experiments" / "learning_v2" / "prompt.md")
+    limits = AgentLimits(max_turns=4, max_tokens_per_turn=96, max_context_tokens=1024, command_timeout_s=5)
+    formats = [(d, h) for d in family.DELIMS for h in (False, True)]
+
+    class Agent:  # the slice of AgentCfg that data.episodes reads
+        scaffold_obj = staticmethod(lambda: make_scaffold("bash", prompt=prompt, command_timeout_s=5))
+        enable_thinking = None
+
+        @staticmethod
+        def limits():
+            return limits
+
+    async def check(spec):
+        task = family.to_task(spec)
+        async with open_task_sandbox(task, backend="local") as sb:
+            # every assumed format, in one command: the real awk/sort against the emulation
+            outs = []
+            for d, h in formats:
+                cmd = family.command(spec, d, h)
+                r = await sb.run(f"{cmd} && cat {spec.dst}", 10)
+                assert r.exit_code == 0, (cmd, r.output)
+                outs.append((cmd, r.output, "".join(x + "\n" for x in family.run_awk(spec, d, h))))
+            for cmd, real, emulated in outs:
+                assert real == emulated, (spec.instruction, spec.lines, cmd)
+            default_run = await sb.run(family.command(spec, family.DEFAULT_DELIM, False), 10)
+            assert default_run.exit_code == 0
+            assert (await verify(task, sb)).score == float(spec.default_ok)
+        for look in (True, False):
+            if not look and not spec.default_ok:
+                continue  # the teacher assumes the default only where it is right
+            replies, _ = family.demo(spec, look)
+            scripted = (await data.episodes([spec], [look], tok, Agent))[0]
+            async with open_task_sandbox(task, backend="local") as sb:
+                real = await run_episode(task, ReplayEngine(tok, replies), sb, tok, Agent.scaffold_obj(),
+                                         limits=limits)
+                score = (await verify(task, sb)).score
+            assert real.end_reason == "finished" and score == 1.0, (spec.instruction, look, real.error)
+            assert real.token_ids == scripted.token_ids and real.loss_mask == scripted.loss_mask
+
+    async def main():
+        for spec in _specs():
+            await check(spec)
+
+    asyncio.run(main())
