@@ -33,12 +33,12 @@ def _specs() -> list:
 def test_splits_are_disjoint_and_the_check_sees_an_overlap():
     specs, _ = data.generate(sft_seeds=[0], n_sft=300, look_frac=0.25, n_rl=64, n_heldout=40)
     check = family.disjointness(specs["heldout"], {k: v for k, v in specs.items() if k != "heldout"})
-    assert check["all_zero"] and check["heldout_instructions"] == 40
+    assert check["all_zero"] and check["heldout_tasks"] == 40 and check["heldout_instructions"] >= 20
     # a held-out list that contains a training instruction, or a training template, is caught
     leaked = family.disjointness(specs["heldout"][:5] + specs["rl"][:1], {"rl": specs["rl"]})
     assert leaked["rl"]["exact"] == 1 and leaked["rl"]["ngram"] >= 1 and not leaked["all_zero"]
-    assert all(family.name_split(p.rsplit("/", 1)[1].rsplit(".", 1)[0]) == "heldout"
-               for s in specs["heldout"] for p in (s.src, s.dst))
+    train_slots = [{s.template[i] for k, v in specs.items() if k != "heldout" for s in v} for i in range(3)]
+    assert not any(s.template[i] in train_slots[i] for s in specs["heldout"] for i in range(3))
 
 
 def test_emulated_outputs_oracle_and_demonstrations_match_the_real_sandbox(tiny_tokenizer_dir):

@@ -3,8 +3,9 @@ bootstrap intervals, the failure modes, and the report. ``run.py`` calls :func:`
 
     .venv/bin/python experiments/learning_v2/analyze.py --root runs/learning_v2 --results experiments/results
 
-(reads ROOT/go_no_go.json, ROOT/data/data.json, ROOT/timing.json and, if present, ROOT/settings.json; without it
-the settings are run.py's ``SCALES[--scale]``). ``recheck.py`` recomputes every number from the outputs.
+(reads ROOT/go_no_go.json, ROOT/data/data.json, ROOT/timing.json, and the command, scale and settings from
+ROOT/settings.json, else from an earlier RESULTS/learning_v2.json, else run.py's ``SCALES[--scale]``).
+``recheck.py`` recomputes every number from the outputs.
 
 Inputs (run.py's layout under ROOT): held-out tasks ROOT/data/heldout.parquet; the SFT arm (step 0) is the
 go/no-go evaluation ROOT/sft_{S}_eval/; the RL arms are ROOT/runs/{arm}_s{S}_r{R}/eval/step_{N:06d}/ (eval/stale/
@@ -27,8 +28,9 @@ heldout.parquet and checked against the task id):
 
 - a *write* is a command that redirects into the task's output path (``> DST``, ``>> DST``, ``tee DST``; DST as
   the full path, ``./name`` or the bare file name, the agent's cwd being /app);
-- ``inspected``: a command before the first write (any command when there is none) that is not a write, names
-  the source file and runs a reader (head, cat, sed, less, more, awk, tail, nl, grep, od, xxd, hexdump);
+- ``inspected``: a command before the first write (any command when there is none) that names the source file,
+  runs a reader (head, cat, sed, less, more, awk, tail, nl, grep, od, xxd, hexdump) and redirects its output into
+  no file (so the agent sees it);
 - the *assumed format* of the last write: its delimiter is awk's ``-F`` (or ``FS=`` in ``-v``/the program;
   ``\\t``, ``\\x`` and ``[x]`` unescaped to the character; no ``-F``: whitespace), else ``cut``'s ``-d`` (no ``-d``:
   tab); a command with neither awk nor cut has no assumed format. It skips the header when it contains
@@ -42,11 +44,13 @@ and, first match wins:
    ``family.run_awk(spec, assumed_delim, assumed_skip) != spec.expected`` (the task's op and field under the
    assumed format; e.g. an unskipped header does not change a sum). When the spec cannot be rebuilt:
    (assumed delimiter != the file's and op != count) or (header, not skipped and op in values/distinct/count);
-3. ``gave_up``: no write at all and the episode ended ``finished`` (the agent declared it done);
+3. ``gave_up``: no write at all (nor any other redirect into a file, /dev/null and ``2>`` aside) and the episode
+   ended ``finished`` (the agent declared it done);
 4. ``turn_limit``: the episode ended ``max_turns``;
 5. ``other``: anything else (right format but wrong field, op or file, parse errors, context_full, timeouts, ...).
 
-The lift decomposition (``failure_modes[arm]["lift"]``) splits the change in the attempt-level pass rate from
+``failure_modes[arm]["by_grade"]`` holds the same counts per task grade. The lift decomposition
+(``failure_modes[arm]["lift"]``) splits the change in the attempt-level pass rate from
 the SFT policy (step 0, same SFT seeds) to the arm's final step into cells (inspected or not) x grade: a cell's
 contribution is its passes divided by all attempts of its side, so the contributions' changes sum to the total.
 """
@@ -85,6 +89,7 @@ AWK_RE = re.compile(r"(?<![\w-])[gm]?awk(?![\w-])")
 CUT_RE = re.compile(r"(?<![\w-])cut(?![\w-])")
 FS_RES = (re.compile(r"(?<!\S)-F\s*" + _QUOTED), re.compile(r"(?<!\w)FS\s*=\s*" + _QUOTED))
 CUT_D_RE = re.compile(r"(?<!\S)(?:-d\s*|--delimiter=)" + _QUOTED)
+ANY_OUT_RE = re.compile(r"(?<![0-9&>])>>?\s*(?!&|\s*/dev/null)[^\s;&|]+|(?<![\w-])tee\s+(?:-a\s+)?[^\s;&|-]")
 READER_RE = re.compile(r"(?<![\w-])(?:" + "|".join(READERS) + r")(?![\w-])")
 
 
@@ -175,7 +180,9 @@ def is_write(cmd: str, dst: str) -> bool:
 
 
 def reads(cmd: str, src: str, dst: str) -> bool:
-    return not is_write(cmd, dst) and bool(re.search(_path_re(src), cmd)) and bool(READER_RE.search(cmd))
+    """Shows the agent the source file: names it, runs a reader, redirects its output into no file."""
+    return (not is_write(cmd, dst) and not ANY_OUT_RE.search(cmd) and bool(re.search(_path_re(src), cmd))
+            and bool(READER_RE.search(cmd)))
 
 
 def _unescape(s: str) -> str:
@@ -230,7 +237,7 @@ def classify(tr: dict, meta: dict, spec: family.Spec | None) -> tuple[str, bool]
     if fmt is not None and format_matters(fmt, meta, spec):
         return "wrong_format", inspected
     end = tr.get("end_reason")
-    if not writes and end == "finished":
+    if not writes and end == "finished" and not any(ANY_OUT_RE.search(c) for c in cmds):
         return "gave_up", inspected
     if end == "max_turns":
         return "turn_limit", inspected
@@ -411,7 +418,7 @@ def summarize(rows: list[dict]) -> dict:
     for a in ix.arms():
         if a == "sft":
             continue
-        steps = sorted({n for (b, s, r, n) in ix.runs if b == a})
+        steps = sorted({n for (b, s, r, n) in ix.runs if b == a and n != 0})  # step 0: the SFT evaluation
         curve = {}
         for n in [0] + steps:
             v = ix.side("sft", base=a) if n == 0 else ix.select(a, n)
@@ -438,8 +445,12 @@ def summarize(rows: list[dict]) -> dict:
         if a == "sft":
             continue
         base, new = ix.side("sft", base=a), ix.side(a)
+        grades = sorted({x["grade"] for x in base + new}, key=lambda g: (g is None, g))
+        by_grade = {str(g): {"0": modes_block([x for x in base if x["grade"] == g]),
+                             str(final[a]): modes_block([x for x in new if x["grade"] == g])} for g in grades}
         failure[a] = {"final_step": final[a], "sft_seeds": sorted(ix.sft_seeds(a, final[a])),
-                      "steps": {"0": modes_block(base), str(final[a]): modes_block(new)}, "lift": lift(base, new)}
+                      "steps": {"0": modes_block(base), str(final[a]): modes_block(new)}, "by_grade": by_grade,
+                      "lift": lift(base, new)}
     return {"arms": arms, "curves": curves, "final_steps": final, "sft_pass_at_k": pak, "comparisons": comparisons,
             "failure_modes": failure}
 
@@ -507,8 +518,8 @@ def summary_paragraph(out: dict) -> str:
     sft = out["failure_modes"].get("sft", {}).get("steps", {}).get("0", {})
     sft_p = pass1_of_sft(out)
     parts = [f"**Result ({out['scale']} scale): the pre-registered goal was {'met' if g['met'] else 'NOT met'}.**",
-             f"The SFT policy's held-out pass@1 is {_f(sft_p)} ({sft.get('attempts', 0)} attempts over "
-             f"{out['heldout_tasks']} held-out tasks)."]
+             (f"The SFT policy's held-out pass@1 is {_f(sft_p)} ({sft.get('attempts', 0)} attempts over "
+             f"{out['heldout_tasks']} held-out tasks).")]
     finals = [f"{a.upper()} {_f(out['curves'][a][str(out['final_steps'][a])]['pass@1'])}"
               for a in RL_ARMS if a in out["curves"]]
     if finals:
@@ -517,10 +528,24 @@ def summary_paragraph(out: dict) -> str:
     if diffs:
         parts.append("Paired differences of pass@1 (mean [95% bootstrap interval over tasks]): " + "; ".join(diffs)
                      + ".")
+    fm = out["failure_modes"]
+    insp = [f"{a.upper()} {_f(fm[a]['steps'][str(fm[a]['final_step'])]['inspected_share'], 2)}"
+            for a in RL_ARMS if a in fm]
+    if insp and sft.get("inspected_share") is not None:
+        parts.append(f"Share of attempts that read the file before writing: SFT {_f(sft['inspected_share'], 2)}; "
+                     + ", ".join(insp) + " at the final step.")
+    lifts = [f"{a.upper()} {fm[a]['lift']['total_change']:+.3f} ({fm[a]['lift']['inspected']:+.3f} via attempts "
+             f"that inspected, {fm[a]['lift']['not_inspected']:+.3f} via the others)" for a in RL_ARMS if a in fm]
+    if lifts:
+        parts.append("Change of the attempt-level pass rate from SFT: " + "; ".join(lifts) + ".")
+
+    def why(n: str) -> str:
+        c = g["checks"][n]
+        return f"{n}: no results" if c["lo"] is None else f"{n}: lower end {c['lo']:+.3f}, required {c['required']}"
+
     failed = [n for n, c in g["checks"].items() if not c["ok"]]
     if failed:
-        parts.append("Criteria not met: " + ", ".join(f"{n} ({g['checks'][n]['required']}, lower end "
-                                                       f"{_f(g['checks'][n]['lo'], 3)})" for n in failed) + ".")
+        parts.append("Criteria not met: " + "; ".join(why(n) for n in failed) + ".")
     else:
         parts.append("GRPO and DPPO each beat both SFT and RFT with intervals excluding 0, and the placebo's "
                      "interval against SFT is not above 0.")
@@ -535,7 +560,12 @@ def pass1_of_sft(out: dict) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def markdown(out: dict) -> str:
+def _rel(p: Path) -> str:
+    p = Path(p).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+def markdown(out: dict, root: Path | str = "ROOT", results: Path | str = "DIR") -> str:
     L = ["# learning_v2: does RL improve held-out pass@1 beyond SFT and RFT?", "", summary_paragraph(out), ""]
     L += ["## Go/no-go (the SFT policy on the held-out tasks, before any RL)", "",
           "| SFT seed | tasks | samples | pass@1 | pass@k | pass@k - pass@1 | mixed tasks | verdict |",
@@ -547,18 +577,18 @@ def markdown(out: dict) -> str:
                  f"{gt.get('verdict')} |")
     L += ["", f"Overall: **{out['go_no_go']['verdict']}**.", ""]
     dj = out["disjointness"]
-    keys = ("instructions", "exact", "ngram", "combination", "template", "template_slot", "file_names")
+    keys = ("instructions", "exact", "ngram", "parameters", "combination", "template", "template_slot")
     L += ["## Disjointness of the held-out tasks", "",
-          f"{dj.get('heldout_tasks')} held-out tasks ({dj.get('heldout_instructions')} distinct instructions); "
+          (f"{dj.get('heldout_tasks')} held-out tasks ({dj.get('heldout_instructions')} distinct instructions); "
           f"overlap counts against each training source ({dj.get('ngram_n')}-word n-grams), all must be 0: "
-          f"all zero = **{dj.get('all_zero')}**.", "", "| source | " + " | ".join(keys) + " |",
+          f"all zero = **{dj.get('all_zero')}**."), "", "| source | " + " | ".join(keys) + " |",
           "|---" * (len(keys) + 1) + "|"]
     for src, v in dj.items():
         if isinstance(v, dict):
             L.append(f"| {src} | " + " | ".join(str(v.get(k)) for k in keys) + " |")
     L += ["", "## Held-out pass@1 per arm and step", "", "![curve](learning_v2.png)", "",
-          "Mean over seeds (per task pooled over seeds and samples), 95% bootstrap interval over tasks; step 0 is "
-          "the SFT policy.", ""]
+          ("Mean over seeds (per task pooled over seeds and samples), 95% bootstrap interval over tasks; step 0 is "
+          "the SFT policy."), ""]
     steps = sorted({int(n) for c in out["curves"].values() for n in c}
                    | {int(n) for runs in out["arms"].values() for by in runs.values() for n in by})
     arms = list(out["curves"])
@@ -568,7 +598,9 @@ def markdown(out: dict) -> str:
             cells = []
             for a in arms:
                 c = out["curves"][a].get(str(n))
-                cells.append("" if c is None else f"{_f(c['pass@1'])} [{_f(c['lo'])}, {_f(c['hi'])}]")
+                most = max(v["runs"] for k, v in out["curves"][a].items() if k != "0")
+                few = "" if c is None or n == 0 or c["runs"] == most else f" ({c['runs']} of {most} runs)"
+                cells.append("" if c is None else f"{_f(c['pass@1'])} [{_f(c['lo'])}, {_f(c['hi'])}]{few}")
             L.append(f"| {n} | " + " | ".join(cells) + " |")
     L += ["", "Per run (pass@1 by step):", "", "| arm | run | " + " | ".join(map(str, steps)) + " |",
           "|---" * (len(steps) + 2) + "|"]
@@ -593,17 +625,17 @@ def markdown(out: dict) -> str:
     L += ["", "Goal checks: " + ", ".join(f"{n} {v['required']}: {'ok' if v['ok'] else 'no'}"
                                           for n, v in out["goal"]["checks"].items())
           + f"; goal met: **{out['goal_met']}**.", ""]
-    L += ["## Failure modes", "", "Shares of attempts (rules: analyze.py's docstring; `inspected` = looked at the "
-          "file before the first write).", "",
+    L += ["## Failure modes", "", ("Shares of attempts (rules: analyze.py's docstring; `inspected` = looked at the "
+          "file before the first write)."), "",
           "| arm | step | attempts | " + " | ".join(MODES) + " | inspected |", "|---" * (len(MODES) + 4) + "|"]
     for a, fm in out["failure_modes"].items():
         for n, b in fm["steps"].items():
             L.append(f"| {a} | {n} | {b['attempts']} | " + " | ".join(_f(b["shares"][m], 2) for m in MODES)
                      + f" | {_f(b['inspected_share'], 2)} |")
-    L += ["", "Lift decomposition (attempt-level pass rate, arm at its final step minus SFT): contribution "
-          "change = passes in the cell / all attempts, arm minus SFT.", "",
-          "| arm | total | via inspected | via not inspected | cells (inspected?, grade: SFT share/rate -> "
-          "arm share/rate, change) |", "|---|---|---|---|---|"]
+    L += ["", ("Lift decomposition (attempt-level pass rate, arm at its final step minus SFT): contribution "
+          "change = passes in the cell / all attempts, arm minus SFT."), "",
+          ("| arm | total | via inspected | via not inspected | cells (inspected?, grade: SFT share/rate -> "
+          "arm share/rate, change) |"), "|---|---|---|---|---|"]
     for a, fm in out["failure_modes"].items():
         if "lift" not in fm:
             continue
@@ -614,17 +646,29 @@ def markdown(out: dict) -> str:
                           c["arm_attempts"])
         L.append(f"| {a} | {lf['total_change']:+.3f} | {lf['inspected']:+.3f} | {lf['not_inspected']:+.3f} | "
                  f"{cells} |")
+    L += ["", "Change of each failure mode's share (and of the inspected share) from SFT to the arm's final step, "
+          "by grade (grade = how many of delimiter and header differ from the default):", "",
+          "| arm | grade | attempts SFT / arm | " + " | ".join(MODES) + " | inspected |",
+          "|---" * (len(MODES) + 4) + "|"]
+    for a, fm in out["failure_modes"].items():
+        for g, by in fm.get("by_grade", {}).items():
+            b0, b1 = by["0"], by[str(fm["final_step"])]
+            if not (b0["attempts"] and b1["attempts"]):
+                continue
+            L.append(f"| {a} | {g} | {b0['attempts']} / {b1['attempts']} | "
+                     + " | ".join(f"{b1['shares'][m] - b0['shares'][m]:+.2f}" for m in MODES)
+                     + f" | {b1['inspected_share'] - b0['inspected_share']:+.2f} |")
     wall, how = wall_time(out["timing"])
-    L += ["", "## Run", "", f"Command: `{out['command']}`", "", f"Scale: {out['scale']}; settings: "
-          f"`{json.dumps(out['settings'], sort_keys=True)}`", "",
+    L += ["", "## Run", "", f"Command: `{out['command']}`", "", (f"Scale: {out['scale']}; settings: "
+          f"`{json.dumps(out['settings'], sort_keys=True)}`"), "",
           f"Wall time: {_f(wall / 3600 if wall is not None else None, 2)} h ({how}). Stages (s): "
           + ", ".join(f"{k} {v:.0f}" for k, v in out["timing"].items() if isinstance(v, (int, float))), "",
           "## Recompute", "",
-          "Every attempt is in `learning_v2/attempts.jsonl` (arm, seeds, step, task, sample, pass, failure mode). "
+          ("Every attempt is in `learning_v2/attempts.jsonl` (arm, seeds, step, task, sample, pass, failure mode). "
           "Recompute every number here independently (its own statistics, and the disjointness against freshly "
-          "generated tasks):", "", "    .venv/bin/python experiments/learning_v2/recheck.py --results DIR", "",
+          "generated tasks):"), "", f"    .venv/bin/python experiments/learning_v2/recheck.py --results {results}", "",
           "and the analysis itself from the run directory:", "",
-          "    .venv/bin/python experiments/learning_v2/analyze.py --root ROOT --results DIR", ""]
+          f"    .venv/bin/python experiments/learning_v2/analyze.py --root {root} --results {results}", ""]
     return "\n".join(L)
 
 
@@ -654,7 +698,7 @@ def main(root: Path, results: Path, *, command: str, scale: str, settings: dict,
     out = _clean(out)
     (results / "learning_v2.json").write_text(json.dumps(out, indent=1))
     plot(out, results / "learning_v2.png", scale)
-    (results / "learning_v2.md").write_text(markdown(out))
+    (results / "learning_v2.md").write_text(markdown(out, _rel(root), _rel(results)))
     print(f"learning_v2: {len(rows)} attempts; goal met: {out['goal_met']}; results in {results}", flush=True)
     return out
 
@@ -671,17 +715,20 @@ def cli() -> None:
     def load(p: Path, default):
         return json.loads(p.read_text()) if p.is_file() else default
 
-    sj = load(root / "settings.json", None)
+    results = Path(args.results).resolve() if args.results else root / "results"
+    sj = load(root / "settings.json", None) or load(results / "learning_v2.json", None)
     if sj is not None:
         settings = sj.get("settings", sj)
         scale = sj.get("scale") or args.scale or ("pilot" if root.name == "pilot" else "full")
         command = sj.get("command") or "python " + " ".join(sys.argv)
     else:
-        import run
+        import importlib.util
 
+        spec = importlib.util.spec_from_file_location("learning_v2_run", HERE / "run.py")
+        run = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(run)
         scale = args.scale or ("pilot" if root.name == "pilot" else "full")
         settings, command = run.SCALES[scale], "python " + " ".join(sys.argv)
-    results = Path(args.results).resolve() if args.results else root / "results"
     main(root, results, command=command, scale=scale, settings=settings, gates=load(root / "go_no_go.json", []),
          data_info=load(root / "data" / "data.json", {}), timing=load(root / "timing.json", {}))
 

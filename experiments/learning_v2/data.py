@@ -48,7 +48,7 @@ async def episodes(specs, looks, tokenizer, agent_cfg) -> list:
 
 
 def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,
-            tokenizer, agent_cfg) -> dict:
+            heldout_seed: int, tokenizer, agent_cfg) -> dict:
     """Write ``root``/{train.parquet, heldout.parquet, sft_<seed>.jsonl, data.json}; return data.json's content.
 
     SFT demonstrations (one set per SFT seed): the teacher looks first in ``look_frac`` of them (on any task);
@@ -63,7 +63,8 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     if done.exists():
         return json.loads(done.read_text())
     root.mkdir(parents=True, exist_ok=True)
-    specs, looks = generate(sft_seeds=sft_seeds, n_sft=n_sft, look_frac=look_frac, n_rl=n_rl, n_heldout=n_heldout)
+    specs, looks = generate(sft_seeds=sft_seeds, n_sft=n_sft, look_frac=look_frac, n_rl=n_rl, n_heldout=n_heldout,
+                            heldout_seed=heldout_seed)
     rl_specs, heldout = specs["rl"], specs["heldout"]
     info: dict = {"sft": {}, "rl_tasks": len(rl_specs), "rl_default_ok": sum(s.default_ok for s in rl_specs)}
     for seed in sft_seeds:
@@ -89,8 +90,8 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     return info
 
 
-def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int
-             ) -> tuple[dict[str, list], dict[int, list[bool]]]:
+def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,
+             heldout_seed: int = 0) -> tuple[dict[str, list], dict[int, list[bool]]]:
     """Every task spec of the experiment, deterministic in its arguments: {"sft_<seed>": .., "rl": ..,
     "heldout": ..} and, per SFT seed, which demonstrations look first."""
     specs: dict[str, list] = {"rl": family.make_train(n_rl, 10_000)}
@@ -102,5 +103,5 @@ def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n
         ok_iter, any_iter = iter([s for s in pool if s.default_ok]), iter(pool[::-1])
         specs[f"sft_{seed}"] = [next(any_iter) if look else next(ok_iter) for look in looks[seed]]
     seen = set().union(*(family.ngrams(s.instruction) for v in specs.values() for s in v))
-    specs["heldout"] = family.make_heldout(n_heldout, 0, seen)
+    specs["heldout"] = family.make_heldout(n_heldout, heldout_seed, seen)
     return specs, looks

@@ -14,15 +14,18 @@ minority of its demonstrations (``demo``); RL can discover that looking pays. ``
 attributes that differ from the default; ``default_ok`` = whether the default command passes this task.
 
 Splits are disjoint by construction (``disjointness`` checks it on the generated text):
-- file names: pseudo-words; a name belongs to one split by a hash, so every held-out instruction names files
-  that no SFT or RL instruction names;
+- instruction parameters: every (op, field, extension) cell belongs to one split by a hash (``cell_split``),
+  so a held-out instruction asks for a combination no SFT or RL instruction asks for (each part of it occurs
+  in training, in other combinations);
 - instruction templates: every template slot has phrasings reserved for the held-out split, and a held-out
   instruction uses a reserved phrasing in every slot, so no (template, parameters) combination of the held-out
   split occurs in SFT or RL data;
 - held-out instructions that would share a word n-gram with any SFT/RL instruction are redrawn.
+The paths are the same in both splits but for the input's extension: the held-out split holds out
+instructions, not words.
 
-Everything here is pure Python (no sandbox): tasks are ``jaxrl_term`` Tasks on the base image with pytest tests
-and an oracle; demonstrations are the scripted replies and the outputs the sandbox gives for them.
+Everything here is pure Python (no sandbox): tasks are ``jaxrl_term`` Tasks on the base image with a Harbor
+``test.sh`` (the output file byte for byte) and an oracle; demonstrations are the scripted replies and the outputs the sandbox gives for them.
 """
 
 from __future__ import annotations
@@ -40,8 +43,11 @@ BASE_IMAGE = "jaxrl-term/base:trixie"
 DELIMS = (",", ";", "|", ":")
 DEFAULT_DELIM = ","
 EXTS = ("txt", "csv", "dat")
-SYLLABLES = ("ba", "ko", "mi", "ru", "te", "lo", "na", "vi", "se", "du", "pa", "ri", "go", "le", "mu", "ta",
-             "ne", "fo", "zi", "ka", "so", "de", "ju", "wa")
+# Paths are fixed but for the input's extension: the 0.92M policy copies a one-digit field number (90%) or an
+# extension (94%) from the instruction into its command, and file names not at all (3% of 395 commands, chance:
+# measured on training tasks with names from a 28-word vocabulary), so names would only add noise to the test of
+# what this experiment is about: looking at a file before assuming its format.
+INPUT, OUTPUT = "/app/data", "/app/answer.txt"
 WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper", "kernel",
          "lumen", "maple", "nectar", "onyx", "pixel")
 COLOURS = ("red", "blue", "green", "amber", "teal", "violet")
@@ -54,25 +60,28 @@ FIELDS = {"values": (1, 2, 3, 4), "distinct": (1, 2), "sum": (3, 4), "max": (3, 
 INTRO = {
     "train": ("The file {src} holds one record per line.", "Each line of {src} is a record.",
               "{src} contains records, one per line.", "There are records in {src}, one on each line."),
-    "heldout": ("Records are stored line by line in {src}.", "You are given {src}, a file with a record per line."),
+    "heldout": ("Records are stored line by line in {src}.", "You are given {src}, a file with a record per line.",
+                "Look up the records of {src}; a line holds one of them."),
 }
 ASK = {
     "train": ("Write {what} to {dst}.", "Save {what} in {dst}.", "Put {what} into {dst}."),
-    "heldout": ("Store {what} as {dst}.", "Create {dst} holding {what}."),
+    "heldout": ("Store {what} as {dst}.", "Create {dst} holding {what}.", "Report {what} by writing it to {dst}."),
 }
 WHAT = {  # (train phrasings, held-out phrasings) per op; the op's key word is shared, the wording around it not
     "values": (("the values of field {k}, one per line in file order",
                 "field {k} of every record, one per line, in order"),
-               ("field {k} values of the records, each on its own line, in file order",)),
+               ("field {k} values of the records, each on its own line, in file order",
+                "every record's field {k} value, in the order of the file, a line apiece")),
     "distinct": (("the distinct values of field {k}, sorted, one per line",
                   "the sorted distinct values of field {k}, one per line"),
-                 ("the distinct field {k} values, once each, sorted, a line apiece",)),
+                 ("the distinct field {k} values, once each, sorted, a line apiece",
+                  "each different value of field {k} once, ordered, on separate lines")),
     "sum": (("the sum of field {k} over all records", "the total of field {k} over the records"),
-            ("the sum over every record of field {k}",)),
+            ("the sum over every record of field {k}", "field {k} summed across the records")),
     "max": (("the largest value of field {k}", "the maximum of field {k} over the records"),
-            ("the largest field {k} value among the records",)),
+            ("the largest field {k} value among the records", "the largest number in field {k}")),
     "count": (("the number of records", "how many records there are"),
-              ("the number of records in the file",)),
+              ("the number of records in the file", "the count of lines that are records")),
 }
 REASON = {
     "assume": "The file is comma separated, so I will compute the answer with awk.",
@@ -87,26 +96,13 @@ def _h(*parts) -> int:
     return int(hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest(), 16)
 
 
-def name_split(name: str) -> str:
-    """A file name belongs to one split: 1 in 4 names is held-out."""
-    return "heldout" if _h("fields-name", name) % 4 == 0 else "train"
-
-
-def _name(rng: random.Random, split: str) -> str:
-    for _ in range(1000):
-        n = "".join(rng.choice(SYLLABLES) for _ in range(rng.choice((2, 3))))
-        if name_split(n) == split:
-            return n
-    raise RuntimeError(f"no {split} name drawn")
-
-
 @dataclasses.dataclass(frozen=True)
 class Spec:
     split: str
     op: str
     k: int | None
-    src: str  # /app/<name>.<ext>
-    dst: str  # /app/<name>.txt
+    src: str  # /app/data.<ext>
+    dst: str  # /app/answer.txt
     delim: str
     header: bool
     records: tuple[tuple[str, str, int, int], ...]
@@ -135,13 +131,18 @@ class Spec:
         return run_awk(self, DEFAULT_DELIM, False) == self.expected
 
 
+def cell_split(op: str, k: int | None, ext: str) -> str:
+    """An instruction's parameters (op, field, extension) belong to one split: 1 in 4 cells is held-out."""
+    return "heldout" if _h("fields-cell", op, k, ext) % 4 == 0 else "train"
+
+
+CELLS = {sp: [(op, k, ext) for op in OPS for k in FIELDS[op] for ext in EXTS if cell_split(op, k, ext) == sp]
+         for sp in ("train", "heldout")}
+
+
 def draw(rng: random.Random, split: str) -> Spec:
-    op = rng.choice(OPS)
-    k = rng.choice(FIELDS[op])
-    src = f"/app/{_name(rng, split)}.{rng.choice(EXTS)}"
-    dst = f"/app/{_name(rng, split)}.txt"
-    while dst.rsplit(".", 1)[0] == src.rsplit(".", 1)[0]:
-        dst = f"/app/{_name(rng, split)}.txt"
+    op, k, ext = rng.choice(CELLS[split])
+    src, dst = f"{INPUT}.{ext}", OUTPUT
     delim = DEFAULT_DELIM if rng.random() < 0.4 else rng.choice(DELIMS[1:])
     header = rng.random() < 0.5
     n = rng.randint(4, 8)
@@ -210,15 +211,18 @@ def to_task(spec: Spec) -> Task:
     name = spec.src.rsplit("/", 1)[1]
     env = Environment(dockerfile=f"FROM {BASE_IMAGE}\nWORKDIR /app\nCOPY {name} {spec.src}\n",
                       files={name: FileBlob(spec.data.encode())}, workdir="/app")
-    tests = ("from pathlib import Path\n\n\ndef test_result():\n"
-             f"    assert Path({spec.dst!r}).read_text().split('\\n') == {spec.expected + ['']!r}\n")
+    # a Harbor test.sh: the output file, byte for byte (no interpreter to start: cheap enough for 100k attempts)
+    test_sh = (f"#!/bin/bash\nif cmp -s /tests/expected.txt {spec.dst}; then echo 1 > /logs/verifier/reward.txt\n"
+               "else echo 0 > /logs/verifier/reward.txt; fi\n")
+    expected = "".join(x + "\n" for x in spec.expected)
     sol = "#!/bin/bash\nset -e\n" + command(spec, spec.delim, spec.header) + "\n"
     meta = {"difficulty": "easy", "category": "data-processing", "tags": ["fields", "learning_v2"],
             "source": "learning_v2", "family": "fields", "split": spec.split, "op": spec.op, "k": spec.k,
             "delim": spec.delim, "header": spec.header, "grade": spec.grade, "default_ok": spec.default_ok,
             "src": spec.src, "dst": spec.dst, "template": list(spec.template)}
-    return Task(task_id(spec), spec.instruction, env, Tests("pytest", {"test_outputs.py": FileBlob.text(tests)},
-                                                            "test_outputs.py"),
+    tests = Tests("harbor", {"test.sh": FileBlob.text(test_sh, 0o755), "expected.txt": FileBlob.text(expected)},
+                  "test.sh")
+    return Task(task_id(spec), spec.instruction, env, tests,
                 Solution({"solve.sh": FileBlob.text(sol, 0o755)}, "solve.sh"), 120.0, 60.0, meta)
 
 
@@ -245,7 +249,8 @@ def demo(spec: Spec, look: bool) -> tuple[list[str], dict[str, str]]:
 
 
 def words(text: str) -> list[str]:
-    return re.findall(r"[a-z0-9]+|[^a-z0-9\s]", text.lower())
+    """Whitespace words, lower-cased, without the punctuation around them (a path is one word)."""
+    return [w for w in (t.strip(".,;:()'\"") for t in text.lower().split()) if w]
 
 
 def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
@@ -276,21 +281,20 @@ def disjointness(heldout: list[Spec], training: dict[str, list[Spec]]) -> dict:
     """Overlap counts of the held-out instructions against each training source (all must be 0)."""
     out: dict = {"ngram_n": NGRAM, "heldout_tasks": len(heldout),
                  "heldout_instructions": len({s.instruction for s in heldout})}
-    names_h = {p.rsplit("/", 1)[1].rsplit(".", 1)[0] for s in heldout for p in (s.src, s.dst)}
     for src, specs in training.items():
         texts = {s.instruction for s in specs}
         grams = set().union(*(ngrams(t) for t in texts)) if texts else set()
         combos = {(s.template, s.op, s.k, s.src, s.dst) for s in specs}
+        params = {(s.op, s.k, s.src) for s in specs}
         templates = {s.template for s in specs}
         slots = [{s.template[i] for s in specs} for i in range(3)]
-        names = {p.rsplit("/", 1)[1].rsplit(".", 1)[0] for s in specs for p in (s.src, s.dst)}
         out[src] = {"instructions": len(texts),
                     "exact": sum(s.instruction in texts for s in heldout),
                     "ngram": sum(bool(ngrams(s.instruction) & grams) for s in heldout),
+                    "parameters": sum((s.op, s.k, s.src) in params for s in heldout),
                     "combination": sum((s.template, s.op, s.k, s.src, s.dst) in combos for s in heldout),
                     "template": sum(s.template in templates for s in heldout),
-                    "template_slot": sum(any(s.template[i] in slots[i] for i in range(3)) for s in heldout),
-                    "file_names": len(names_h & names)}
+                    "template_slot": sum(any(s.template[i] in slots[i] for i in range(3)) for s in heldout)}
     out["all_zero"] = all(v[key] == 0 for v in out.values() if isinstance(v, dict)
-                          for key in ("exact", "ngram", "combination", "template", "template_slot", "file_names"))
+                          for key in ("exact", "ngram", "parameters", "combination", "template", "template_slot"))
     return out

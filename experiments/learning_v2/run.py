@@ -4,7 +4,7 @@ experiments/results/learning_v2.md, end to end and resumable:
     .venv/bin/python experiments/learning_v2/run.py [--pilot] [--root runs/learning_v2] [--jobs 2]
 
 1. data (``data.prepare``): RL training tasks, held-out tasks (disjoint by construction and checked: exact
-   instructions, word n-grams, template and parameter combinations, file names: all 0 or the run stops), and per
+   instructions, word n-grams, (op, field, extension) cells, templates: all 0 or the run stops), and per
    SFT seed template demonstrations in which the teacher mostly assumes the default file format;
 2. SFT per SFT seed (``jaxrl_term.sft``);
 3. go/no-go, before any RL: the SFT policy on the held-out tasks x 8 samples (``jaxrl_term.eval``): pass@1 in
@@ -45,10 +45,13 @@ ARMS = {  # Hydra overrides of each arm (on top of the preset, whose algo is GRP
 # The pre-registered scales. Full: 2 SFT seeds x 3 RL seeds x 4 arms, 200 held-out tasks x 4 samples at 5 points.
 SCALES = {
     "full": dict(sft_seeds=[0, 1], rl_seeds=[0, 1, 2], arms=list(ARMS), n_sft=2000, look_frac=0.25, n_rl=256,
-                 n_heldout=200, steps=20, eval_every=4, gonogo_samples=8),
+                 n_heldout=200, heldout_seed=0, steps=20, eval_every=4, gonogo_samples=8),
     "pilot": dict(sft_seeds=[0], rl_seeds=[0], arms=list(ARMS), n_sft=2000, look_frac=0.25, n_rl=256,
-                  n_heldout=64, steps=8, eval_every=4, gonogo_samples=8),
+                  n_heldout=64, heldout_seed=1, steps=8, eval_every=4, gonogo_samples=8),
+    # the pilot's held-out tasks are drawn with another seed: none of them is a task of the full run
 }
+SFT = ["sft.steps=600", "sft.lr=0.003", "sft.batch_size=16"]  # the SFT command's settings (not in the preset:
+                                                                # train and eval configs have no sft group)
 GO = {"pass1_min": 0.2, "pass1_max": 0.6, "pass8_minus_pass1_min": 0.2, "mixed_frac_min": 0.4}
 
 
@@ -81,14 +84,14 @@ def prepare(root: Path, sc: dict) -> dict:
         cfg = compose("sft_config", overrides=[PRESET])
     tok, _ = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
     return data.prepare(root / "data", sft_seeds=sc["sft_seeds"], n_sft=sc["n_sft"], look_frac=sc["look_frac"],
-                        n_rl=sc["n_rl"], n_heldout=sc["n_heldout"], tokenizer=tok,
+                        n_rl=sc["n_rl"], n_heldout=sc["n_heldout"], heldout_seed=sc["heldout_seed"], tokenizer=tok,
                         agent_cfg=OmegaConf.to_object(cfg.agent))
 
 
 def sft(root: Path, seed: int) -> Path:
     out = root / f"sft_{seed}"
     if not (out / "hf_final" / "config.json").exists():
-        sh([sys.executable, "-m", "jaxrl_term.sft", PRESET, f"run_dir={out}", f"seed={seed}",
+        sh([sys.executable, "-m", "jaxrl_term.sft", PRESET, *SFT, f"run_dir={out}", f"seed={seed}",
             f"sft.source={root / 'data' / f'sft_{seed}.jsonl'}", *data_args(root)], root / "logs" / f"sft_{seed}.log")
     return out / "hf_final"
 
@@ -108,11 +111,12 @@ def go_no_go(root: Path, seed: int, samples: int) -> dict:
         by.setdefault(r["task"], []).append(bool(r["pass"]))
     rates = [sum(v) / len(v) for v in by.values()]
     pass1 = sum(rates) / len(rates)
-    pass8 = sum(any(v) for v in by.values()) / len(by)
+    full = [v for v in by.values() if len(v) >= samples]  # pass@k needs k attempts (dropped ones are re-run)
+    pass8 = sum(any(v) for v in full) / max(1, len(full))
     mixed = sum(0 < p < 1 for p in rates) / len(rates)
     verdict = (GO["pass1_min"] <= pass1 <= GO["pass1_max"] and pass8 - pass1 >= GO["pass8_minus_pass1_min"]
                and mixed >= GO["mixed_frac_min"])
-    return {"sft_seed": seed, "tasks": len(by), "samples": samples, "pass@1": pass1, f"pass@{samples}": pass8,
+    return {"sft_seed": seed, "tasks": len(by), "tasks_with_all_samples": len(full), "samples": samples, "pass@1": pass1, f"pass@{samples}": pass8,
             "pass@k_minus_pass@1": pass8 - pass1, "mixed_frac": mixed, "criteria": GO,
             "verdict": "go" if verdict else "no-go"}
 
@@ -142,6 +146,13 @@ def main() -> None:
     root = (REPO / args.root / ("pilot" if args.pilot else "")).resolve()
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    command = "python experiments/learning_v2/run.py " + shlex.join(sys.argv[1:])
+    saved = root / "settings.json"
+    if saved.exists() and json.loads(saved.read_text())["settings"] != json.loads(json.dumps(sc)):
+        raise SystemExit(f"{root} holds a run with other settings ({saved}); every stage there would be reused as "
+                         "it is. Give a new --root for new settings (e.g. another SFT mix after a no-go)")
+    if not saved.exists():
+        saved.write_text(json.dumps({"command": command, "scale": scale, "settings": sc, "sft": SFT}, indent=1))
     timing = json.loads((root / "timing.json").read_text()) if (root / "timing.json").exists() else {}
 
     def stage(name: str, fn, *a):
@@ -171,18 +182,22 @@ def main() -> None:
     if args.stage == "gonogo":
         return
     jobs = [(a, s, r) for s in sc["sft_seeds"] for r in sc["rl_seeds"] for a in sc["arms"]]
+    t_rl = time.monotonic()
     with ThreadPoolExecutor(args.jobs) as ex:
-        for (a, s, r), fut in zip(jobs, [ex.submit(train, root, a, s, r, sc) for a, s, r in jobs]):
-            t = time.monotonic()
-            fut.result()
-            timing[f"rl/{a}_s{s}_r{r}"] = timing.get(f"rl/{a}_s{s}_r{r}", 0.0) + time.monotonic() - t
-    timing["rl_total"] = timing.get("rl_total", 0.0) + time.monotonic() - t0
+        futures = [ex.submit(train, root, a, s, r, sc) for a, s, r in jobs]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            ex.shutdown(cancel_futures=True)  # report the failure now, not after every queued run
+            raise
+    timing["rl"] = timing.get("rl", 0.0) + time.monotonic() - t_rl  # all runs, --jobs at once
+    timing["total"] = timing.get("total", 0.0) + time.monotonic() - t0  # this invocation (resumed ones add up)
     (root / "timing.json").write_text(json.dumps(timing, indent=1))
     if args.stage == "rl":
         return
     import analyze
 
-    command = "python experiments/learning_v2/run.py " + shlex.join(sys.argv[1:])
     results = REPO / "experiments" / "results" if not args.pilot else root / "results"
     analyze.main(root, results, command=command, scale=scale, settings=sc, gates=gates, data_info=info,
                  timing=timing)
