@@ -37,8 +37,8 @@ def test_splits_are_disjoint_and_the_check_sees_an_overlap():
     # a held-out list that contains a training instruction, or a training template, is caught
     leaked = family.disjointness(specs["heldout"][:5] + specs["rl"][:1], {"rl": specs["rl"]})
     assert leaked["rl"]["exact"] == 1 and leaked["rl"]["ngram"] >= 1 and not leaked["all_zero"]
-    train_slots = [{s.template[i] for k, v in specs.items() if k != "heldout" for s in v} for i in range(3)]
-    assert not any(s.template[i] in train_slots[i] for s in specs["heldout"] for i in range(3))
+    train_slots = [{s.template[i] for k, v in specs.items() if k != "heldout" for s in v} for i in range(2)]
+    assert not any(s.template[i] in train_slots[i] for s in specs["heldout"] for i in range(2))
 
 
 def test_emulated_outputs_oracle_and_demonstrations_match_the_real_sandbox(tiny_tokenizer_dir):

@@ -1,26 +1,68 @@
 """The learning_v2 analysis: every held-out attempt of every arm, the curves, the paired comparisons with
-bootstrap intervals, the failure modes, and the report. ``run.py`` calls :func:`main`; by hand:
+bootstrap intervals, the failure modes, the near-duplicate report and the report. ``run.py`` calls :func:`main`;
+by hand:
 
     .venv/bin/python experiments/learning_v2/analyze.py --root runs/learning_v2 --results experiments/results
 
-(reads ROOT/go_no_go.json, ROOT/data/data.json, ROOT/timing.json, and the command, scale and settings from
-ROOT/settings.json, else from an earlier RESULTS/learning_v2.json, else run.py's ``SCALES[--scale]``).
-``recheck.py`` recomputes every number from the outputs.
+(reads ROOT/go_no_go.json, ROOT/data/data.json, ROOT/data/instructions.json, ROOT/timing.json, and the command,
+scale and settings from ROOT/settings.json, else from an earlier RESULTS/learning_v2.json, else run.py's
+``SCALES[--scale]``). ``recheck.py`` recomputes the numbers from the outputs.
 
 Inputs (run.py's layout under ROOT): held-out tasks ROOT/data/heldout.parquet; the SFT arm (step 0) is the
 go/no-go evaluation ROOT/sft_{S}_eval/; the RL arms are ROOT/runs/{arm}_s{S}_r{R}/eval/step_{N:06d}/ (eval/stale/
 is ignored). An attempt is the last transcript record per (task, attempt) of an evaluation directory, kept only
-when attempts.jsonl lists it as finished (invalid attempts, in invalid.jsonl, are not scored).
+when attempts.jsonl lists it as finished (invalid attempts, in invalid.jsonl, are not scored). An evaluation
+*finished* when its directory holds summary.json (written at its end).
+
+Final step, no fallback. An RL arm's final step is the settings' ``steps`` (the trainer always evaluates after
+its last step; without ``steps`` in the settings: the largest step any run of the arm evaluated). Its runs are
+the settings' ``sft_seeds`` x ``rl_seeds`` when the arm is in the settings' ``arms`` (else the runs found).
+``final_step_check[arm]`` lists every run without a finished evaluation with attempts at that step; an arm with
+any such run has no final step (``final_steps[arm]`` None), and every comparison with it is recorded as
+``{"available": false, "reason": ...}`` (so is A-sft when an SFT seed that A's runs start from has no finished
+SFT evaluation, A-B when the two final steps differ, and a comparison with an arm that has no evaluations).
+Only these runs (and these SFT seeds) enter the comparisons and the failure modes at the final step.
+Unavailable comparisons fail the goal. Nothing falls back to an earlier step.
 
 Statistics. pass@1 of a run at a step = the mean over tasks of the task's pass rate over its attempts. pass@k of
-the SFT policy = the mean over tasks of the unbiased 1 - C(n-c, k) / C(n, k). A comparison "A-B" pairs tasks: per
-task the pass rate pooled over every seed and sample of arm A at its final step (the largest step every run of the
-arm evaluated), minus the same for B ("sft": the SFT evaluations of the SFT seeds that A's final-step runs start
-from, step 0); the mean over the tasks both have, and the 2.5 / 97.5 percentiles of that mean over 10,000 resamples
-of tasks with replacement (numpy, seed 0). Per SFT seed: the same on that seed's runs and SFT evaluation only.
-The curve's band: the same percentile bootstrap (2,000 resamples) of one arm's pooled per-task rates at a step.
-goal_met: GRPO-SFT, DPPO-SFT, GRPO-RFT and DPPO-RFT intervals all above 0, and the placebo-SFT interval not above
-0 (its lower end <= 0).
+the SFT policy, k = 1 .. the most valid attempts of a task: the mean of the unbiased 1 - C(n-c, k) / C(n, k) over
+the tasks with n >= k valid attempts; tasks with fewer are excluded at that k (``sft_pass_at_k_tasks`` counts
+them: ``excluded``; key ``all`` pools the SFT seeds' attempts per task). A comparison "A-B" pairs tasks: per task
+the pass rate pooled over every run and sample of arm A at its final step (passes / attempts), minus the same for
+B ("sft": the SFT evaluations of the SFT seeds of A's runs, step 0); ``mean`` is the mean of that difference
+over the tasks both have. Its intervals (95%, percentile, 10,000 resamples each):
+
+- ``ci95`` (= ``lo``, ``hi``; the pre-registered one, used by ``goal_met``): the paired bootstrap over tasks,
+  tasks drawn with replacement (numpy default_rng(0)); runs are pooled, so training-seed variance is not in it;
+- ``ci95_runs_tasks`` (hierarchical, default_rng(1)): each resample first draws, within every SFT seed
+  separately, that seed's RL runs of each RL side with replacement (as many as it has; the SFT side's per-seed
+  evaluation is fixed: one per seed, never redrawn), pools each task's passes / attempts over the drawn runs,
+  then draws tasks with replacement and takes the mean difference (a task none of a resample's drawn runs
+  attempted is left out of that resample's mean);
+- ``ci95_instruction_clusters`` (default_rng(2)): held-out tasks share instructions (other data files), so
+  whole instructions are drawn with replacement, each with all of its tasks; the statistic is the sum of the
+  drawn tasks' differences over their number (``instruction_clusters`` = how many distinct instructions).
+
+Also per comparison: ``per_sft_seed`` (the same on one SFT seed's runs and its SFT evaluation only, with
+``ci95`` and ``ci95_runs_tasks``), ``sign_agrees_per_sft_seed`` (every per-seed mean > 0, or every one < 0),
+and ``per_run``: for A-sft, each A run's final-step pass@1 minus its SFT seed's SFT pass@1, both on the tasks
+the two have; for A-B of two RL arms, A's run s{S}_r{R} minus B's run s{S}_r{R} (same SFT start, same RL seed),
+on the tasks both have. The curve's band: the task bootstrap (2,000 resamples) of one arm's pooled per-task
+rates at a step.
+
+Goal (pre-registered): ``goal_met``: the ``ci95`` of GRPO-SFT, DPPO-SFT, GRPO-RFT and DPPO-RFT all above 0
+(lower end > 0) and that of placebo-SFT not above 0 (lower end <= 0). ``goal_met_strict``: the same rule with
+``ci95_runs_tasks``; ``goal_met_instruction_clusters``: with ``ci95_instruction_clusters`` (``goal_strict`` and
+``goal_instruction_clusters`` hold their checks). The stricter two are reported, not pre-registered.
+
+Near duplicates (``disjointness_nearest``, from ROOT/data/instructions.json: keys sft_<seed> and rl are the
+training instructions, heldout the held-out ones; both deduplicated first): for every distinct held-out
+instruction, its nearest training instruction by (a) the Jaccard similarity of the sets of word 3-grams and
+(b) the normalised character edit distance: Levenshtein distance (insert, delete, substitute one character) /
+the longer text's length, 0 = identical, computed exactly (``edit_distances``; not difflib), and the
+longest run of consecutive words it shares with any training instruction (words: ``family.words``, as the
+pre-registered n-gram check, which forbids a shared run of ``family.NGRAM``); min / median / max of each over the
+held-out instructions, the histogram of the longest shared run, and the closest pair by each measure.
 
 Failure modes (attempts.jsonl ``failure_mode``), from the bash commands of the episode (every action's
 ``args.cmd``, in order), the task's metadata and its data file (the ``family.Spec`` is rebuilt from
@@ -28,7 +70,11 @@ heldout.parquet and checked against the task id):
 
 - a *write* is a command that redirects into the task's output path (``> DST``, ``>> DST``, ``tee DST``; DST as
   the full path, ``./name`` or the bare file name, the agent's cwd being /app);
-- ``inspected``: a command before the first write (any command when there is none) that names the source file,
+- a command *names the data file* when one of its shell words (shlex, operators split off) is a path in /app
+  (``/app/x``, ``./x`` or ``x``) whose name is the file's name, a shell glob that matches it (``data.*``,
+  ``data*``, ``*.csv``, ``*``), or the file's stem with another extension or none, glob characters allowed
+  (``data.csv`` when the file is data.txt, ``data``): all of these show the agent the file or an error about it;
+- ``inspected``: a command before the first write (any command when there is none) that names the data file,
   runs a reader (head, cat, sed, less, more, awk, tail, nl, grep, od, xxd, hexdump) and redirects its output into
   no file (so the agent sees it);
 - the *assumed format* of the last write: its delimiter is awk's ``-F`` (or ``FS=`` in ``-v``/the program;
@@ -50,17 +96,20 @@ and, first match wins:
 5. ``other``: anything else (right format but wrong field, op or file, parse errors, context_full, timeouts, ...).
 
 ``failure_modes[arm]["by_grade"]`` holds the same counts per task grade. The lift decomposition
-(``failure_modes[arm]["lift"]``) splits the change in the attempt-level pass rate from
-the SFT policy (step 0, same SFT seeds) to the arm's final step into cells (inspected or not) x grade: a cell's
+(``failure_modes[arm]["lift"]``) splits the change in the attempt-level pass rate from the SFT policy (step 0,
+the SFT seeds of the arm's runs) to the arm's final step into cells (inspected or not) x grade: a cell's
 contribution is its passes divided by all attempts of its side, so the contributions' changes sum to the total.
+An arm without a final step gets ``{"available": false, "reason": ...}`` there instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import re
+import shlex
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -79,7 +128,7 @@ COMPARISONS = ("grpo-sft", "dppo-sft", "grpo-rft", "dppo-rft", "placebo-sft", "r
 GOAL_ABOVE = ("grpo-sft", "dppo-sft", "grpo-rft", "dppo-rft")  # lower end > 0
 GOAL_NOT_ABOVE = ("placebo-sft",)  # lower end <= 0
 MODES = ("passed", "wrong_format", "gave_up", "turn_limit", "other")
-BOOT, BOOT_SEED, BAND_BOOT = 10_000, 0, 2_000
+BOOT, BOOT_SEED, RUNS_SEED, CLUSTER_SEED, BAND_BOOT = 10_000, 0, 1, 2, 2_000
 READERS = ("head", "cat", "sed", "less", "more", "awk", "tail", "nl", "grep", "od", "xxd", "hexdump")
 _QUOTED = r"(?:'([^']*)'|\"([^\"]*)\"|([^\s'\";}|&]+))"
 SKIP_RES = tuple(re.compile(p) for p in (
@@ -179,9 +228,35 @@ def is_write(cmd: str, dst: str) -> bool:
     return bool(re.search(r">>?\s*" + p, cmd) or re.search(r"(?<![\w-])tee\s+(?:-a\s+)?" + p, cmd))
 
 
+def shell_words(cmd: str) -> list[str]:
+    """The shell words of ``cmd`` (quotes removed, operators such as | ; > split off); whitespace words when
+    the quoting does not parse."""
+    try:
+        lex = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+        lex.whitespace_split = True
+        return list(lex)
+    except ValueError:
+        return cmd.split()
+
+
+def names_file(cmd: str, src: str) -> bool:
+    """Whether a word of ``cmd`` is ``src`` as seen from its folder (the agent's cwd): its name, a glob matching
+    it, or its stem with another extension or none (glob characters allowed)."""
+    folder, name = src.rsplit("/", 1)
+    stem = re.escape(name.split(".", 1)[0])
+    for w in shell_words(cmd):
+        head, _, base = w.rpartition("/")
+        if not base or (w.count("/") and head not in (folder, ".", folder + "/.")):
+            continue
+        if fnmatch.fnmatchcase(name, base) or re.fullmatch(stem + r"(?:[.*?\[].*)?", base):
+            return True
+    return False
+
+
 def reads(cmd: str, src: str, dst: str) -> bool:
-    """Shows the agent the source file: names it, runs a reader, redirects its output into no file."""
-    return (not is_write(cmd, dst) and not ANY_OUT_RE.search(cmd) and bool(re.search(_path_re(src), cmd))
+    """Shows the agent the data file (or an error about it): names it (``names_file``), runs a reader,
+    redirects its output into no file."""
+    return (not is_write(cmd, dst) and not ANY_OUT_RE.search(cmd) and names_file(cmd, src)
             and bool(READER_RE.search(cmd)))
 
 
@@ -244,10 +319,13 @@ def classify(tr: dict, meta: dict, spec: family.Spec | None) -> tuple[str, bool]
     return "other", inspected
 
 
-def collect(root: Path, tasks: dict, specs: dict) -> tuple[list[dict], dict]:
-    """attempts.jsonl's records of every evaluation under ``root``, and what was left out."""
-    rows, left = [], Counter()
+def collect(root: Path, tasks: dict, specs: dict) -> tuple[list[dict], dict, set]:
+    """attempts.jsonl's records of every evaluation under ``root``, what was left out, and the (arm, SFT seed,
+    RL seed, step) of the evaluations that finished (summary.json)."""
+    rows, left, complete = [], Counter(), set()
     for arm, s, r, step, d in eval_dirs(root):
+        if (d / "summary.json").is_file():
+            complete.add((arm, s, r, step))
         for tr in episodes(d):
             task = tasks.get(tr.get("task"))
             if task is None:
@@ -262,17 +340,24 @@ def collect(root: Path, tasks: dict, specs: dict) -> tuple[list[dict], dict]:
                          "end_reason": tr.get("end_reason"), "turns": len(tr.get("turns") or [])})
     order = {a: i for i, a in enumerate(ARMS)}
     rows.sort(key=lambda x: (order[x["arm"]], x["sft_seed"], x["seed"] or 0, x["step"], x["task_id"], x["sample"]))
-    return rows, dict(left)
+    return rows, dict(left), complete
 
 
 # ---------------------------------------------------------------------------------------- statistics
 
 
-def task_rates(rows: list[dict]) -> dict[str, float]:
-    by: dict[str, list[bool]] = defaultdict(list)
+def task_counts(rows: list[dict]) -> dict[str, list[int]]:
+    """task -> [passes, attempts]"""
+    by: dict[str, list[int]] = {}
     for x in rows:
-        by[x["task_id"]].append(x["passed"])
-    return {t: sum(v) / len(v) for t, v in by.items()}
+        c = by.setdefault(x["task_id"], [0, 0])
+        c[0] += bool(x["passed"])
+        c[1] += 1
+    return by
+
+
+def task_rates(rows: list[dict]) -> dict[str, float]:
+    return {t: p / n for t, (p, n) in task_counts(rows).items()}
 
 
 def pass1(rows: list[dict]) -> float | None:
@@ -280,19 +365,17 @@ def pass1(rows: list[dict]) -> float | None:
     return sum(r.values()) / len(r) if r else None
 
 
-def pass_at_k(rows: list[dict]) -> dict[str, float]:
-    """Unbiased pass@k, k = 1 .. the smallest number of attempts of a task, averaged over tasks."""
-    by: dict[str, list[bool]] = defaultdict(list)
-    for x in rows:
-        by[x["task_id"]].append(x["passed"])
-    if not by:
-        return {}
-    kmax = min(len(v) for v in by.values())
-    out = {}
-    for k in range(1, kmax + 1):
-        vals = [1.0 - math.comb(len(v) - sum(v), k) / math.comb(len(v), k) for v in by.values()]
-        out[str(k)] = sum(vals) / len(vals)
-    return out
+def pass_at_k(rows: list[dict]) -> tuple[dict[str, float], dict[str, dict]]:
+    """Unbiased pass@k for k = 1 .. the most attempts of a task, each over the tasks with >= k attempts; and per k
+    how many tasks that used and how many it excluded (fewer than k attempts)."""
+    by = task_counts(rows)
+    vals: dict[str, float] = {}
+    used: dict[str, dict] = {}
+    for k in range(1, max((n for _, n in by.values()), default=0) + 1):
+        v = [1.0 - math.comb(n - c, k) / math.comb(n, k) for c, n in by.values() if n >= k]
+        vals[str(k)] = sum(v) / len(v)
+        used[str(k)] = {"tasks": len(v), "excluded": len(by) - len(v)}
+    return vals, used
 
 
 def bootstrap(values: np.ndarray, resamples: int, seed: int = BOOT_SEED) -> tuple[float, float]:
@@ -305,23 +388,80 @@ def bootstrap(values: np.ndarray, resamples: int, seed: int = BOOT_SEED) -> tupl
     return float(lo), float(hi)
 
 
-def paired(a_rows: list[dict], b_rows: list[dict]) -> dict:
-    a, b = task_rates(a_rows), task_rates(b_rows)
-    tasks = sorted(set(a) & set(b))
+# A side of a comparison: SFT seed -> [(run key, task -> [passes, attempts])], one entry per run (SFT: per seed).
+Side = dict[int, list[tuple[str, dict[str, list[int]]]]]
+
+
+def pooled(side: Side) -> dict[str, float]:
+    """task -> passes / attempts over every run of the side."""
+    tot: dict[str, list[int]] = {}
+    for runs in side.values():
+        for _, counts in runs:
+            for t, (p, n) in counts.items():
+                c = tot.setdefault(t, [0, 0])
+                c[0] += p
+                c[1] += n
+    return {t: p / n for t, (p, n) in tot.items()}
+
+
+def runs_tasks_interval(a: Side, b: Side, b_fixed: bool, tasks: list[str], resamples: int = BOOT,
+                        seed: int = RUNS_SEED) -> list[float | None]:
+    """The hierarchical 95% interval of the mean paired difference: runs redrawn within each SFT seed of each
+    side (not the fixed SFT side), then tasks (the module docstring)."""
     if not tasks:
-        return {"tasks": 0, "mean": None, "lo": None, "hi": None}
-    d = np.array([a[t] - b[t] for t in tasks])
-    lo, hi = bootstrap(d, BOOT)
-    return {"tasks": len(tasks), "a_pass@1": sum(a[t] for t in tasks) / len(tasks),
-            "b_pass@1": sum(b[t] for t in tasks) / len(tasks), "mean": sum(d.tolist()) / len(tasks),
-            "lo": lo, "hi": hi}
+        return [None, None]
+    rng = np.random.default_rng(seed)
+
+    def rates(side: Side, fixed: bool) -> np.ndarray:
+        p = np.zeros((resamples, len(tasks)))
+        n = np.zeros((resamples, len(tasks)))
+        for s in sorted(side):
+            runs = side[s]
+            P = np.array([[c.get(t, (0, 0))[0] for t in tasks] for _, c in runs], dtype=float)
+            N = np.array([[c.get(t, (0, 0))[1] for t in tasks] for _, c in runs], dtype=float)
+            if fixed:
+                w = np.ones((resamples, len(runs)))
+            else:
+                draw = rng.integers(0, len(runs), (resamples, len(runs)))
+                w = (draw[:, :, None] == np.arange(len(runs))).sum(axis=1).astype(float)
+            p += w @ P
+            n += w @ N
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return p / n
+
+    diff = rates(a, False) - rates(b, b_fixed)
+    pick = rng.integers(0, len(tasks), (resamples, len(tasks)))
+    with np.errstate(invalid="ignore"):
+        means = np.nanmean(np.take_along_axis(diff, pick, axis=1), axis=1)
+    lo, hi = np.nanpercentile(means, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def cluster_interval(d: np.ndarray, clusters: list[str], resamples: int = BOOT,
+                     seed: int = CLUSTER_SEED) -> list[float | None]:
+    """95% interval of the mean of ``d`` when whole clusters (instructions) are drawn with replacement."""
+    if len(d) == 0:
+        return [None, None]
+    ids = {c: i for i, c in enumerate(sorted(set(clusters)))}
+    idx = np.array([ids[c] for c in clusters])
+    sums, sizes = np.zeros(len(ids)), np.zeros(len(ids))
+    np.add.at(sums, idx, d)
+    np.add.at(sizes, idx, 1.0)
+    pick = np.random.default_rng(seed).integers(0, len(ids), (resamples, len(ids)))
+    lo, hi = np.percentile(sums[pick].sum(axis=1) / sizes[pick].sum(axis=1), [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def _key(s: int, r: int | None) -> str:
+    return f"s{s}" if r is None else f"s{s}_r{r}"
 
 
 class Index:
-    """The attempts grouped by arm, SFT seed, RL seed and step."""
+    """The attempts grouped by arm, SFT seed, RL seed and step; the runs the settings expect; which evaluations
+    finished (None: all)."""
 
-    def __init__(self, rows: list[dict]):
-        self.rows = rows
+    def __init__(self, rows: list[dict], settings: dict | None = None, complete: set | None = None):
+        self.rows, self.settings, self.complete = rows, settings or {}, complete
         self.runs: dict[tuple, list[dict]] = defaultdict(list)
         for x in rows:
             self.runs[(x["arm"], x["sft_seed"], x["seed"], x["step"])].append(x)
@@ -329,34 +469,119 @@ class Index:
     def arms(self) -> list[str]:
         return [a for a in ARMS if any(k[0] == a for k in self.runs)]
 
-    def final_step(self, arm: str) -> int | None:
-        """The largest step every run of ``arm`` evaluated (0 for sft; else the largest step of any run)."""
+    def expected_runs(self, arm: str) -> list[tuple[int, int]]:
+        st = self.settings
+        if arm in (st.get("arms") or ()) and "sft_seeds" in st and "rl_seeds" in st:
+            return [(s, r) for s in st["sft_seeds"] for r in st["rl_seeds"]]
+        return sorted({(s, r) for (a, s, r, n) in self.runs if a == arm})
+
+    def sft_seeds_of(self, arm: str) -> list[int]:
+        return sorted({s for s, _ in self.expected_runs(arm)})
+
+    def target_step(self, arm: str) -> int | None:
         if arm == "sft":
             return 0
-        steps: dict[tuple, set[int]] = defaultdict(set)
-        for a, s, r, n in self.runs:
-            if a == arm:
-                steps[(s, r)].add(n)
-        if not steps:
-            return None
-        common = set.intersection(*steps.values())
-        return max(common) if common else max(set.union(*steps.values()))
+        if isinstance(self.settings.get("steps"), int):
+            return self.settings["steps"]
+        return max((n for (a, s, r, n) in self.runs if a == arm), default=None)
+
+    def _problem(self, arm: str, s: int, r: int | None, step: int) -> str | None:
+        key = (arm, s, r, step)
+        if not self.runs.get(key):
+            last = max((n for (a, s2, r2, n) in self.runs if (a, s2, r2) == (arm, s, r)), default=None)
+            return (f"{arm} {_key(s, r)} has no evaluation with attempts at step {step} ("
+                    + ("no evaluation at all)" if last is None else f"its last is step {last})"))
+        if self.complete is not None and key not in self.complete:
+            return f"{arm} {_key(s, r)}: its step-{step} evaluation did not finish (no summary.json)"
+        return None
+
+    def check(self, arm: str) -> dict:
+        """The arm's final step, its runs, and every run that lacks a finished evaluation there."""
+        step, runs = self.target_step(arm), self.expected_runs(arm)
+        problems = [p for s, r in runs if (p := self._problem(arm, s, r, step)) is not None]
+        if not runs:
+            problems.append(f"{arm}: no runs")
+        return {"step": step, "runs": [_key(s, r) for s, r in runs], "problems": problems, "available": not problems}
+
+    def sft_problems(self, seeds) -> list[str]:
+        return [p for s in seeds if (p := self._problem("sft", s, None, 0)) is not None]
 
     def select(self, arm: str, step: int, sft_seeds=None) -> list[dict]:
         return [x for (a, s, r, n), v in self.runs.items() if a == arm and n == step
                 and (sft_seeds is None or s in sft_seeds) for x in v]
 
-    def sft_seeds(self, arm: str, step: int) -> set[int]:
-        return {s for (a, s, r, n) in self.runs if a == arm and n == step}
+    def side(self, arm: str, step: int, seeds=None, runs=None) -> Side:
+        """The attempts of ``arm`` at ``step`` as a comparison side (optionally only ``seeds`` / ``runs``)."""
+        out: Side = defaultdict(list)
+        for (a, s, r, n), v in sorted(self.runs.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0)):
+            if a == arm and n == step and (seeds is None or s in seeds) and (runs is None or (s, r) in runs):
+                out[s].append((_key(s, r), task_counts(v)))
+        return dict(out)
 
-    def side(self, arm: str, seeds=None, *, base: str | None = None) -> list[dict]:
-        """An arm's attempts at its final step; sft: step 0 of the SFT seeds ``base``'s final-step runs use."""
-        if arm == "sft":
-            use = self.sft_seeds(base, self.final_step(base)) if base not in (None, "sft") else None
-            if seeds is not None:
-                use = set(seeds) if use is None else use & set(seeds)
-            return self.select("sft", 0, use)
-        return self.select(arm, self.final_step(arm), seeds)
+
+def _mean_rate(counts: dict[str, list[int]], tasks: list[str]) -> float:
+    return sum(counts[t][0] / counts[t][1] for t in tasks) / len(tasks)
+
+
+def paired(a: Side, b: Side, b_fixed: bool, instruction: dict[str, str] | None = None) -> dict:
+    """Mean paired difference over the tasks both sides have, its task bootstrap (``ci95``, also ``lo``/``hi``)
+    and hierarchical interval, and (given ``instruction``) the instruction-cluster interval."""
+    ra, rb = pooled(a), pooled(b)
+    tasks = sorted(set(ra) & set(rb))
+    out: dict = {"tasks": len(tasks), "mean": None, "lo": None, "hi": None, "ci95": [None, None],
+                 "ci95_runs_tasks": [None, None]}
+    if instruction is not None:
+        out["ci95_instruction_clusters"] = [None, None]
+        out["instruction_clusters"] = len({instruction[t] for t in tasks})
+    if not tasks:
+        return out
+    d = np.array([ra[t] - rb[t] for t in tasks])
+    lo, hi = bootstrap(d, BOOT)
+    out.update({"a_pass@1": sum(ra[t] for t in tasks) / len(tasks), "b_pass@1": sum(rb[t] for t in tasks) / len(tasks),
+                "mean": sum(d.tolist()) / len(tasks), "lo": lo, "hi": hi, "ci95": [lo, hi],
+                "ci95_runs_tasks": runs_tasks_interval(a, b, b_fixed, tasks)})
+    if instruction is not None:
+        out["ci95_instruction_clusters"] = cluster_interval(d, [instruction[t] for t in tasks])
+    return out
+
+
+def comparison(ix: Index, name: str, checks: dict, instruction: dict[str, str]) -> dict:
+    """One comparison A-B at the final steps, or ``available: false`` with the reason (module docstring)."""
+    a, b = name.split("-")
+    c: dict = {"a": a, "b": b, "a_step": None, "b_step": 0 if b == "sft" else None}
+    reasons = []
+    for arm in (a, b):
+        if arm != "sft" and arm not in checks:
+            reasons.append(f"arm {arm} has no evaluations")
+        elif arm != "sft":
+            c[f"{'a' if arm == a else 'b'}_step"] = checks[arm]["step"]
+            reasons += checks[arm]["problems"]
+    if not reasons and b != "sft" and checks[a]["step"] != checks[b]["step"]:
+        reasons.append(f"final steps differ: {a} {checks[a]['step']}, {b} {checks[b]['step']}")
+    seeds = ix.sft_seeds_of(a) if a in checks else []
+    if not reasons and b == "sft":
+        reasons += ix.sft_problems(seeds)
+    if reasons:
+        return {**c, "available": False, "reason": "; ".join(reasons)}
+    A = ix.side(a, c["a_step"], runs=set(ix.expected_runs(a)))
+    B = ix.side("sft", 0, set(seeds)) if b == "sft" else ix.side(b, c["b_step"], runs=set(ix.expected_runs(b)))
+    c.update({"available": True, **paired(A, B, b == "sft", instruction)})
+    c["excludes_0"] = c["lo"] is not None and (c["lo"] > 0 or c["hi"] < 0)
+    both = sorted(set(A) & set(B))
+    c["per_sft_seed"] = {f"s{s}": paired({s: A[s]}, {s: B[s]}, b == "sft") for s in both}
+    means = [v["mean"] for v in c["per_sft_seed"].values()]
+    c["sign_agrees_per_sft_seed"] = bool(means) and None not in means and (all(m > 0 for m in means)
+                                                                         or all(m < 0 for m in means))
+    per_run = {}
+    for s in both:
+        other = dict(B[s])
+        for key, ca in A[s]:
+            cb = other.get(f"s{s}") if b == "sft" else other.get(key)
+            common = sorted(set(ca) & set(cb or {}))
+            if common:
+                per_run[key] = _mean_rate(ca, common) - _mean_rate(cb, common)
+    c["per_run"] = per_run
+    return c
 
 
 def modes_block(rows: list[dict]) -> dict:
@@ -393,66 +618,141 @@ def go_no_go(gates: list[dict]) -> dict:
     return {"gates": gates, "verdict": verdict}
 
 
-def goal(comparisons: dict) -> dict:
+def goal(comparisons: dict, key: str = "ci95") -> dict:
+    """The pre-registered rule on the comparisons' interval ``key`` (an unavailable comparison fails it)."""
     checks, met = {}, True
     for name in GOAL_ABOVE + GOAL_NOT_ABOVE:
         c = comparisons.get(name) or {}
-        lo = c.get("lo")
+        lo = (c.get(key) or [None])[0] if c.get("available", True) else None
         ok = lo is not None and not math.isnan(lo) and (lo > 0 if name in GOAL_ABOVE else lo <= 0)
         checks[name] = {"required": "lower end > 0" if name in GOAL_ABOVE else "lower end <= 0", "lo": lo, "ok": ok}
+        if not c.get("available", True):
+            checks[name]["unavailable"] = c.get("reason")
         met = met and ok
-    return {"met": met, "checks": checks}
+    return {"interval": key, "met": met, "checks": checks}
 
 
-def summarize(rows: list[dict]) -> dict:
-    ix = Index(rows)
+def summarize(rows: list[dict], settings: dict | None = None, complete: set | None = None) -> dict:
+    ix = Index(rows, settings, complete)
     arms: dict = {}
     for (a, s, r, n), v in sorted(ix.runs.items(), key=lambda kv: (ARMS.index(kv[0][0]), kv[0][1:3], kv[0][3])):
-        key = f"s{s}" if a == "sft" else f"s{s}_r{r}"
-        arms.setdefault(a, {}).setdefault(key, {})[str(n)] = pass1(v)
+        arms.setdefault(a, {}).setdefault(_key(s, r), {})[str(n)] = pass1(v)
     sft_rows = ix.select("sft", 0)
-    pak = {f"s{s}": pass_at_k(ix.select("sft", 0, {s})) for s in sorted({x["sft_seed"] for x in sft_rows})}
-    pak["all"] = pass_at_k(sft_rows)
-    final = {a: ix.final_step(a) for a in ix.arms()}
+    pak, pak_tasks = {}, {}
+    for s in sorted({x["sft_seed"] for x in sft_rows}):
+        pak[f"s{s}"], pak_tasks[f"s{s}"] = pass_at_k(ix.select("sft", 0, {s}))
+    pak["all"], pak_tasks["all"] = pass_at_k(sft_rows)
+    rl = [a for a in ix.arms() if a != "sft"]
+    checks = {a: ix.check(a) for a in rl}
+    final = {"sft": 0, **{a: checks[a]["step"] if checks[a]["available"] else None for a in rl}}
     curves: dict = {}
-    for a in ix.arms():
-        if a == "sft":
-            continue
+    for a in rl:
         steps = sorted({n for (b, s, r, n) in ix.runs if b == a and n != 0})  # step 0: the SFT evaluation
         curve = {}
         for n in [0] + steps:
-            v = ix.side("sft", base=a) if n == 0 else ix.select(a, n)
+            v = ix.select("sft", 0, set(ix.sft_seeds_of(a))) if n == 0 else ix.select(a, n)
             rates = np.array(list(task_rates(v).values()))
             lo, hi = bootstrap(rates, BAND_BOOT)
             curve[str(n)] = {"pass@1": pass1(v), "lo": lo, "hi": hi, "tasks": len(rates), "attempts": len(v),
                              "runs": len({(x["sft_seed"], x["seed"]) for x in v})}
         curves[a] = curve
-    comparisons: dict = {}
-    for name in COMPARISONS:
-        a, b = name.split("-")
-        if a not in final or b not in final:
-            continue
-        base = a if b == "sft" else None
-        c = {"a": a, "b": b, "a_step": final[a], "b_step": final[b],
-             **paired(ix.side(a), ix.side(b, base=base))}
-        c["excludes_0"] = c["lo"] is not None and (c["lo"] > 0 or c["hi"] < 0)
-        seeds = sorted(ix.sft_seeds(a, final[a]) & (ix.sft_seeds(b, final[b]) if b != "sft" else
-                                                     ix.sft_seeds("sft", 0)))
-        c["per_sft_seed"] = {f"s{s}": paired(ix.side(a, {s}), ix.side(b, {s}, base=base)) for s in seeds}
-        comparisons[name] = c
+    instruction = {x["task_id"]: x["instruction"] for x in rows}
+    comparisons = {name: comparison(ix, name, checks, instruction) for name in COMPARISONS}
     failure: dict = {"sft": {"final_step": 0, "steps": {"0": modes_block(sft_rows)}}}
-    for a in ix.arms():
-        if a == "sft":
+    for a in rl:
+        if not checks[a]["available"]:
+            failure[a] = {"available": False, "final_step": None, "reason": "; ".join(checks[a]["problems"])}
             continue
-        base, new = ix.side("sft", base=a), ix.side(a)
+        seeds, want = ix.sft_seeds_of(a), set(ix.expected_runs(a))
+        base = ix.select("sft", 0, set(seeds))
+        new = [x for x in ix.select(a, final[a]) if (x["sft_seed"], x["seed"]) in want]
         grades = sorted({x["grade"] for x in base + new}, key=lambda g: (g is None, g))
         by_grade = {str(g): {"0": modes_block([x for x in base if x["grade"] == g]),
                              str(final[a]): modes_block([x for x in new if x["grade"] == g])} for g in grades}
-        failure[a] = {"final_step": final[a], "sft_seeds": sorted(ix.sft_seeds(a, final[a])),
+        failure[a] = {"available": True, "final_step": final[a], "sft_seeds": seeds,
                       "steps": {"0": modes_block(base), str(final[a]): modes_block(new)}, "by_grade": by_grade,
                       "lift": lift(base, new)}
-    return {"arms": arms, "curves": curves, "final_steps": final, "sft_pass_at_k": pak, "comparisons": comparisons,
+    return {"arms": arms, "curves": curves, "final_steps": final, "final_step_check": checks,
+            "sft_pass_at_k": pak, "sft_pass_at_k_tasks": pak_tasks, "comparisons": comparisons,
             "failure_modes": failure}
+
+
+# ------------------------------------------------------------------------------------------ near duplicates
+
+
+def _stats(values: list) -> dict:
+    return {"min": min(values), "median": float(np.median(values)), "max": max(values)}
+
+
+def edit_distances(texts: list[str], others: list[str]) -> np.ndarray:
+    """Levenshtein distances (insert, delete, substitute a character: cost 1), ``texts`` x ``others``: the
+    dynamic programme over a text's characters, vectorised over every other text and its positions (the
+    insertions of a row as a running minimum)."""
+    L = max(map(len, others))
+    chars = np.full((L, len(others)), -1, dtype=np.int32)  # -1 pads: never equal, never read past a text's end
+    for k, t in enumerate(others):
+        chars[:len(t), k] = [ord(c) for c in t]
+    ends, cols = np.array([len(t) for t in others]), np.arange(len(others))
+    differ = {ch: (chars != ord(ch)).astype(np.int16) for ch in set("".join(texts))}
+    pos = np.arange(L + 1, dtype=np.int16)[:, None]
+    out = np.zeros((len(texts), len(others)), dtype=np.int64)
+    for n, h in enumerate(texts):
+        D = np.broadcast_to(pos, (L + 1, len(others))).copy()  # D[j, k]: h[:i] vs others[k][:j]
+        row = np.empty_like(D)
+        for i, ch in enumerate(h, 1):
+            row[0] = i
+            np.add(D[:-1], differ[ch], out=row[1:])  # substitute or match
+            np.minimum(row[1:], D[1:] + 1, out=row[1:])  # delete h's character
+            row -= pos
+            np.minimum.accumulate(row, axis=0, out=D)  # insert: min over j' <= j of row[j'] + (j - j')
+            D += pos
+        out[n] = D[ends, cols]
+    return out
+
+
+def nearest(instructions: dict[str, list[str]]) -> dict:
+    """Each distinct held-out instruction's nearest training instruction by word-3-gram Jaccard and by
+    normalised edit distance, and its longest run of words shared with any training instruction (the module
+    docstring)."""
+    held = sorted(set(instructions.get("heldout") or ()))
+    train = sorted({t for k, v in instructions.items() if k != "heldout" for t in v})
+    if not held or not train:
+        return {"available": False, "reason": "no held-out or no training instructions in instructions.json"}
+    tw = [family.words(t) for t in train]
+    tg = [set(zip(w, w[1:], w[2:])) for w in tw]
+    dist = edit_distances(held, train) / np.maximum.outer([len(h) for h in held], [len(t) for t in train])
+    shared: dict[int, set] = {}
+
+    def grams(n: int) -> set:
+        if n not in shared:
+            shared[n] = {tuple(w[i:i + n]) for w in tw for i in range(len(w) - n + 1)}
+        return shared[n]
+
+    per = []
+    for row, h in enumerate(held):
+        hw = family.words(h)
+        hg = set(zip(hw, hw[1:], hw[2:]))
+        jac = [len(hg & g) / len(hg | g) if hg | g else 0.0 for g in tg]
+        j, e = int(np.argmax(jac)), int(np.argmin(dist[row]))
+        run = 0
+        while run < len(hw) and {tuple(hw[i:i + run + 1]) for i in range(len(hw) - run)} & grams(run + 1):
+            run += 1
+        per.append((h, jac[j], train[j], float(dist[row, e]), train[e], run))
+    runs = [p[5] for p in per]
+    closest = {}
+    for what, i, t, pick in (("jaccard_word3", 1, 2, max), ("char_edit", 3, 4, min),
+                             ("longest_shared_words", 5, None, max)):
+        p = pick(per, key=lambda x: x[i])
+        closest[what] = {"heldout": p[0], "value": p[i], **({"training": p[t]} if t is not None else {})}
+    return {"available": True, "heldout_instructions": len(held), "training_instructions": len(train),
+            "sources": sorted(k for k in instructions if k != "heldout"),
+            "char_measure": "Levenshtein distance / the longer text's length (0 = identical); per held-out "
+                            "instruction the smallest over the training instructions",
+            "words": "family.words (whitespace words, lower-cased, punctuation around them stripped)",
+            "jaccard_word3": _stats([p[1] for p in per]), "char_edit": _stats([p[3] for p in per]),
+            "longest_shared_words": {**_stats(runs), "histogram": {str(n): runs.count(n)
+                                                                   for n in range(max(runs) + 1)}},
+            "ngram_n_forbidden": family.NGRAM, "closest": closest}
 
 
 # ------------------------------------------------------------------------------------------- outputs
@@ -500,10 +800,14 @@ def _f(x, nd: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{nd}f}"
 
 
+def _iv(ci) -> str:
+    return "n/a" if not ci or ci[0] is None else f"[{ci[0]:+.3f}, {ci[1]:+.3f}]"
+
+
 def _ci(c: dict) -> str:
     if c.get("mean") is None:
         return "n/a"
-    return f"{c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}]"
+    return f"{c['mean']:+.3f} {_iv([c['lo'], c['hi']])}"
 
 
 def wall_time(timing: dict) -> tuple[float | None, str]:
@@ -513,34 +817,49 @@ def wall_time(timing: dict) -> tuple[float | None, str]:
     return (sum(stages), "the sum of timing.json's stages") if stages else (None, "no timing.json")
 
 
+def _fm_final(fm: dict, a: str) -> dict | None:
+    """An arm's failure-mode block at its final step (None when it has none)."""
+    f = fm.get(a) or {}
+    return f["steps"].get(str(f["final_step"])) if f.get("available", True) and "steps" in f else None
+
+
 def summary_paragraph(out: dict) -> str:
     comp, g, gates = out["comparisons"], out["goal"], out["go_no_go"]
     sft = out["failure_modes"].get("sft", {}).get("steps", {}).get("0", {})
     sft_p = pass1_of_sft(out)
-    parts = [f"**Result ({out['scale']} scale): the pre-registered goal was {'met' if g['met'] else 'NOT met'}.**",
+    parts = [f"**Result ({out['scale']} scale): the pre-registered goal was {'met' if g['met'] else 'NOT met'}** "
+             f"(intervals over tasks, runs pooled); with training seeds resampled too (runs x tasks) it was "
+             f"{'met' if out.get('goal_met_strict') else 'not met'}, with instructions resampled as clusters "
+             f"{'met' if out.get('goal_met_instruction_clusters') else 'not met'}.",
              (f"The SFT policy's held-out pass@1 is {_f(sft_p)} ({sft.get('attempts', 0)} attempts over "
-             f"{out['heldout_tasks']} held-out tasks).")]
-    finals = [f"{a.upper()} {_f(out['curves'][a][str(out['final_steps'][a])]['pass@1'])}"
-              for a in RL_ARMS if a in out["curves"]]
+              f"{out['heldout_tasks']} held-out tasks).")]
+    finals = [f"{a.upper()} {_f(out['curves'][a][str(out['final_steps'][a])]['pass@1'])}" for a in RL_ARMS
+              if a in out["curves"] and out["final_steps"].get(a) is not None]
     if finals:
         parts.append("At each arm's final step: " + ", ".join(finals) + ".")
-    diffs = [f"{n} {_ci(comp[n])}" for n in COMPARISONS if n in comp]
+    missing = [a.upper() for a in RL_ARMS if a in out["curves"] and out["final_steps"].get(a) is None]
+    if missing:
+        parts.append(f"No final step for {', '.join(missing)}: a run lacks a finished evaluation there (see the "
+                     "comparisons).")
+    diffs = [f"{n} {_ci(c)}" for n, c in comp.items() if c.get("available")]
     if diffs:
         parts.append("Paired differences of pass@1 (mean [95% bootstrap interval over tasks]): " + "; ".join(diffs)
                      + ".")
     fm = out["failure_modes"]
-    insp = [f"{a.upper()} {_f(fm[a]['steps'][str(fm[a]['final_step'])]['inspected_share'], 2)}"
-            for a in RL_ARMS if a in fm]
+    insp = [f"{a.upper()} {_f(_fm_final(fm, a)['inspected_share'], 2)}" for a in RL_ARMS if _fm_final(fm, a)]
     if insp and sft.get("inspected_share") is not None:
         parts.append(f"Share of attempts that read the file before writing: SFT {_f(sft['inspected_share'], 2)}; "
                      + ", ".join(insp) + " at the final step.")
     lifts = [f"{a.upper()} {fm[a]['lift']['total_change']:+.3f} ({fm[a]['lift']['inspected']:+.3f} via attempts "
-             f"that inspected, {fm[a]['lift']['not_inspected']:+.3f} via the others)" for a in RL_ARMS if a in fm]
+             f"that inspected, {fm[a]['lift']['not_inspected']:+.3f} via the others)" for a in RL_ARMS
+             if "lift" in fm.get(a, {})]
     if lifts:
         parts.append("Change of the attempt-level pass rate from SFT: " + "; ".join(lifts) + ".")
 
     def why(n: str) -> str:
         c = g["checks"][n]
+        if c.get("unavailable"):
+            return f"{n}: not available ({c['unavailable']})"
         return f"{n}: no results" if c["lo"] is None else f"{n}: lower end {c['lo']:+.3f}, required {c['required']}"
 
     failed = [n for n, c in g["checks"].items() if not c["ok"]]
@@ -551,7 +870,8 @@ def summary_paragraph(out: dict) -> str:
                      "interval against SFT is not above 0.")
     if gates["verdict"] != "go":
         parts.append(f"Go/no-go verdict before RL: {gates['verdict']}" +
-                     ("; the arms ran anyway (--force), so read the comparisons with that in mind." if comp else "."))
+                     ("; the arms ran anyway (--force), so read the comparisons with that in mind."
+                      if any(c.get("available") for c in comp.values()) else "."))
     return " ".join(parts)
 
 
@@ -563,6 +883,41 @@ def pass1_of_sft(out: dict) -> float | None:
 def _rel(p: Path) -> str:
     p = Path(p).resolve()
     return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)
+
+
+def _near_md(nd: dict) -> list[str]:
+    if not nd.get("available"):
+        return [f"Nearest training instructions: not available ({nd.get('reason')}).", ""]
+    L = [(f"Nearest training instruction of each of the {nd['heldout_instructions']} distinct held-out instructions "
+          f"(among {nd['training_instructions']} distinct training instructions of {', '.join(nd['sources'])}; "
+          f"`disjointness_nearest`):"), "", "| measure | min | median | max |", "|---|---|---|---|"]
+    for key, what in (("jaccard_word3", "word 3-gram Jaccard similarity (highest)"),
+                      ("char_edit", "normalised character edit distance (Levenshtein / longer length; lowest)"),
+                      ("longest_shared_words", "longest run of shared words (longest)")):
+        v = nd[key]
+        L.append(f"| {what} | " + " | ".join(f"{v[m]:g}" if key == "longest_shared_words" else _f(v[m])
+                                             for m in ("min", "median", "max")) + " |")
+    hist = ", ".join(f"{n}: {c}" for n, c in nd["longest_shared_words"]["histogram"].items())
+    L += ["", (f"Longest shared word run, held-out instructions per length: {hist} (a run of "
+               f"{nd['ngram_n_forbidden']} words is excluded by construction)."), ""]
+    for key, what in (("jaccard_word3", "Jaccard"), ("char_edit", "edit distance")):
+        c = nd["closest"][key]
+        L.append(f"- closest by {what} ({_f(c['value'])}): held-out \"{c['heldout']}\" vs training "
+                 f"\"{c['training']}\"")
+    return L + [""]
+
+
+def _cmp_row(name: str, c: dict) -> str:
+    if not c.get("available"):
+        return f"| {name} | n/a | | | | not available: {c.get('reason')} | | | | |"
+    per = "; ".join(f"{s}: {_ci(v)}" for s, v in c["per_sft_seed"].items())
+    runs = c["per_run"]
+    pos = sum(v > 0 for v in runs.values())
+    per_run = ", ".join(f"{k} {v:+.3f}" for k, v in runs.items())
+    sign = "same sign" if c["sign_agrees_per_sft_seed"] else "signs differ"
+    return (f"| {name} | {c['a_step']} vs {c['b_step']} | {c['tasks']} ({c['instruction_clusters']}) | "
+            f"{_f(c.get('a_pass@1'))} | {_f(c.get('b_pass@1'))} | {_ci(c)} | {_iv(c['ci95_runs_tasks'])} | "
+            f"{_iv(c['ci95_instruction_clusters'])} | {per} ({sign}) | {pos} of {len(runs)} > 0: {per_run} |")
 
 
 def markdown(out: dict, root: Path | str = "ROOT", results: Path | str = "DIR") -> str:
@@ -586,7 +941,8 @@ def markdown(out: dict, root: Path | str = "ROOT", results: Path | str = "DIR") 
     for src, v in dj.items():
         if isinstance(v, dict):
             L.append(f"| {src} | " + " | ".join(str(v.get(k)) for k in keys) + " |")
-    L += ["", "## Held-out pass@1 per arm and step", "", "![curve](learning_v2.png)", "",
+    L += [""] + _near_md(out.get("disjointness_nearest") or {})
+    L += ["## Held-out pass@1 per arm and step", "", "![curve](learning_v2.png)", "",
           ("Mean over seeds (per task pooled over seeds and samples), 95% bootstrap interval over tasks; step 0 is "
           "the SFT policy."), ""]
     steps = sorted({int(n) for c in out["curves"].values() for n in c}
@@ -615,20 +971,38 @@ def markdown(out: dict, root: Path | str = "ROOT", results: Path | str = "DIR") 
               "|---" * (len(ks) + 1) + "|"]
         for s, v in pak.items():
             L.append(f"| {s} | " + " | ".join(_f(v.get(str(k))) for k in ks) + " |")
-    L += ["", "## Comparisons (final step, paired over tasks, 10,000 bootstrap resamples)", "",
-          "| comparison | steps | tasks | A pass@1 | B pass@1 | A - B [95% CI] | per SFT seed |",
-          "|---|---|---|---|---|---|---|"]
+        ex = {s: {k: u["excluded"] for k, u in v.items() if u["excluded"]}
+              for s, v in out.get("sft_pass_at_k_tasks", {}).items()}
+        L += ["", "pass@k at k uses only the tasks with at least k valid attempts; excluded tasks per k: "
+              + ("; ".join(f"{s}: " + ", ".join(f"k={k}: {n}" for k, n in v.items()) for s, v in ex.items() if v)
+                 or "none") + "."]
+    L += ["", "## Comparisons (each arm's final step, paired over tasks, 10,000 bootstrap resamples)", "",
+          ("Three 95% intervals of A - B: **over tasks** (runs pooled per task; the pre-registered one), **runs x "
+           "tasks** (RL runs redrawn within each SFT seed, then tasks: adds training-seed variance) and "
+           "**instruction clusters** (held-out tasks that share an instruction drawn together). Per run: each A "
+           "run minus its SFT seed's SFT evaluation (A-sft) or minus B's run with the same seeds (two RL arms)."),
+          "", ("| comparison | steps | tasks (instructions) | A pass@1 | B pass@1 | A - B [over tasks] | "
+               "runs x tasks | instruction clusters | per SFT seed | per run |"), "|---" * 10 + "|"]
     for name, c in out["comparisons"].items():
-        per = "; ".join(f"{s}: {_ci(v)}" for s, v in c["per_sft_seed"].items())
-        L.append(f"| {name} | {c['a_step']} vs {c['b_step']} | {c['tasks']} | {_f(c.get('a_pass@1'))} | "
-                 f"{_f(c.get('b_pass@1'))} | {_ci(c)} | {per} |")
-    L += ["", "Goal checks: " + ", ".join(f"{n} {v['required']}: {'ok' if v['ok'] else 'no'}"
-                                          for n, v in out["goal"]["checks"].items())
-          + f"; goal met: **{out['goal_met']}**.", ""]
+        L.append(_cmp_row(name, c))
+
+    def checks(g: dict) -> str:
+        return ", ".join(f"{n} {v['required']}: " + ("not available" if v.get("unavailable") else
+                                                       "ok" if v["ok"] else "no") for n, v in g["checks"].items())
+
+    L += ["", (f"**The pre-registered criterion uses the interval over tasks** (`ci95`): {checks(out['goal'])}; "
+               f"goal met: **{out['goal_met']}**."), "",
+          (f"Stricter, not pre-registered: with the runs x tasks interval (`goal_met_strict`): "
+           f"{checks(out['goal_strict'])}; met: **{out['goal_met_strict']}**. With the instruction-cluster interval "
+           f"(`goal_met_instruction_clusters`): {checks(out['goal_instruction_clusters'])}; met: "
+           f"**{out['goal_met_instruction_clusters']}**."), ""]
     L += ["## Failure modes", "", ("Shares of attempts (rules: analyze.py's docstring; `inspected` = looked at the "
           "file before the first write)."), "",
           "| arm | step | attempts | " + " | ".join(MODES) + " | inspected |", "|---" * (len(MODES) + 4) + "|"]
     for a, fm in out["failure_modes"].items():
+        if not fm.get("available", True):
+            L.append(f"| {a} | n/a | not available: {fm['reason']} |" + " |" * (len(MODES) + 1))
+            continue
         for n, b in fm["steps"].items():
             L.append(f"| {a} | {n} | {b['attempts']} | " + " | ".join(_f(b["shares"][m], 2) for m in MODES)
                      + f" | {_f(b['inspected_share'], 2)} |")
@@ -651,7 +1025,7 @@ def markdown(out: dict, root: Path | str = "ROOT", results: Path | str = "DIR") 
           "| arm | grade | attempts SFT / arm | " + " | ".join(MODES) + " | inspected |",
           "|---" * (len(MODES) + 4) + "|"]
     for a, fm in out["failure_modes"].items():
-        for g, by in fm.get("by_grade", {}).items():
+        for g, by in fm.get("by_grade", {}).items():  # (none for the SFT arm and an arm without a final step)
             b0, b1 = by["0"], by[str(fm["final_step"])]
             if not (b0["attempts"] and b1["attempts"]):
                 continue
@@ -681,25 +1055,34 @@ def main(root: Path, results: Path, *, command: str, scale: str, settings: dict,
     root, results = Path(root), Path(results)
     tasks = {t.id: t for t in load_tasks(str(root / "data" / "heldout.parquet"))}
     specs = {tid: rebuild(t) for tid, t in tasks.items()}
-    rows, left_out = collect(root, tasks, specs)
+    rows, left_out, complete = collect(root, tasks, specs)
     (results / "learning_v2").mkdir(parents=True, exist_ok=True)
     tmp = results / "learning_v2" / "attempts.jsonl.tmp"
     tmp.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in rows))
     tmp.replace(results / "learning_v2" / "attempts.jsonl")
-    s = summarize(rows)
+    s = summarize(rows, settings, complete)
+    instr = root / "data" / "instructions.json"
+    near = (nearest(json.loads(instr.read_text())) if instr.is_file()
+            else {"available": False, "reason": f"no {instr.name} in ROOT/data"})
     out = {"experiment": "learning_v2", "scale": scale, "command": command, "settings": settings,
-           "go_no_go": go_no_go(gates), "disjointness": data_info.get("disjointness", {}), **s,
-           "bootstrap": {"resamples": BOOT, "band_resamples": BAND_BOOT, "seed": BOOT_SEED, "level": 0.95,
-                         "unit": "task"},
+           "go_no_go": go_no_go(gates), "disjointness": data_info.get("disjointness", {}),
+           "disjointness_nearest": near, **s,
+           "bootstrap": {"resamples": BOOT, "band_resamples": BAND_BOOT, "level": 0.95, "ci95": {
+               "seed": BOOT_SEED, "unit": "task (runs pooled)"}, "ci95_runs_tasks": {
+               "seed": RUNS_SEED, "unit": "runs within each SFT seed (RL sides; SFT fixed), then tasks"},
+               "ci95_instruction_clusters": {"seed": CLUSTER_SEED, "unit": "instruction (all of its tasks)"}},
            "tasks_rebuilt": sum(v is not None for v in specs.values()), "heldout_tasks": len(tasks),
            "attempts": len(rows), "left_out": left_out, "timing": timing}
-    g = goal(s["comparisons"])
-    out["goal"], out["goal_met"] = g, g["met"]
+    for key, name in (("ci95", "goal"), ("ci95_runs_tasks", "goal_strict"),
+                      ("ci95_instruction_clusters", "goal_instruction_clusters")):
+        g = goal(s["comparisons"], key)
+        out[name], out[name.replace("goal", "goal_met")] = g, g["met"]
     out = _clean(out)
     (results / "learning_v2.json").write_text(json.dumps(out, indent=1))
     plot(out, results / "learning_v2.png", scale)
     (results / "learning_v2.md").write_text(markdown(out, _rel(root), _rel(results)))
-    print(f"learning_v2: {len(rows)} attempts; goal met: {out['goal_met']}; results in {results}", flush=True)
+    print(f"learning_v2: {len(rows)} attempts; goal met: {out['goal_met']} (strict: {out['goal_met_strict']}); "
+          f"results in {results}", flush=True)
     return out
 
 

@@ -17,15 +17,15 @@ Splits are disjoint by construction (``disjointness`` checks it on the generated
 - instruction parameters: every (op, field, extension) cell belongs to one split by a hash (``cell_split``),
   so a held-out instruction asks for a combination no SFT or RL instruction asks for (each part of it occurs
   in training, in other combinations);
-- instruction templates: every template slot has phrasings reserved for the held-out split, and a held-out
-  instruction uses a reserved phrasing in every slot, so no (template, parameters) combination of the held-out
-  split occurs in SFT or RL data;
-- held-out instructions that would share a word n-gram with any SFT/RL instruction are redrawn.
-The paths are the same in both splits but for the input's extension: the held-out split holds out
-instructions, not words.
+- sentence frames: the intro and ask slots have phrasings reserved for the held-out split, so no held-out
+  instruction's template (frame + key phrase) occurs in SFT or RL data;
+- held-out instructions that would share a word 8-gram with any SFT/RL instruction are redrawn.
+Shared by both splits, as a vocabulary: the op's key phrase (``WHAT``) and the paths (fixed but for the input's
+extension). The split holds out instructions, not the words and phrases they are made of.
 
 Everything here is pure Python (no sandbox): tasks are ``jaxrl_term`` Tasks on the base image with a Harbor
-``test.sh`` (the output file byte for byte) and an oracle; demonstrations are the scripted replies and the outputs the sandbox gives for them.
+``test.sh`` (the output file byte for byte) and an oracle; demonstrations are the scripted replies and the
+outputs the sandbox gives for them.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ HEADER = ("name", "colour", "small", "large")
 OPS = ("values", "distinct", "sum", "max", "count")
 FIELDS = {"values": (1, 2, 3, 4), "distinct": (1, 2), "sum": (3, 4), "max": (3, 4), "count": (None,)}
 
-# Template slots. Each has phrasings for training (SFT and RL data) and phrasings reserved for the held-out
-# split; {src} / {dst} are the input / output paths, {what} the op's phrase (itself a slot).
+# Template slots: the sentence frame (intro, ask) has phrasings for training (SFT and RL data) and phrasings
+# reserved for the held-out split; {src} / {dst} are the input / output paths, {what} the op's key phrase.
 INTRO = {
     "train": ("The file {src} holds one record per line.", "Each line of {src} is a record.",
               "{src} contains records, one per line.", "There are records in {src}, one on each line."),
@@ -67,21 +67,16 @@ ASK = {
     "train": ("Write {what} to {dst}.", "Save {what} in {dst}.", "Put {what} into {dst}."),
     "heldout": ("Store {what} as {dst}.", "Create {dst} holding {what}.", "Report {what} by writing it to {dst}."),
 }
-WHAT = {  # (train phrasings, held-out phrasings) per op; the op's key word is shared, the wording around it not
-    "values": (("the values of field {k}, one per line in file order",
-                "field {k} of every record, one per line, in order"),
-               ("field {k} values of the records, each on its own line, in file order",
-                "every record's field {k} value, in the order of the file, a line apiece")),
-    "distinct": (("the distinct values of field {k}, sorted, one per line",
-                  "the sorted distinct values of field {k}, one per line"),
-                 ("the distinct field {k} values, once each, sorted, a line apiece",
-                  "each different value of field {k} once, ordered, on separate lines")),
-    "sum": (("the sum of field {k} over all records", "the total of field {k} over the records"),
-            ("the sum over every record of field {k}", "field {k} summed across the records")),
-    "max": (("the largest value of field {k}", "the maximum of field {k} over the records"),
-            ("the largest field {k} value among the records", "the largest number in field {k}")),
-    "count": (("the number of records", "how many records there are"),
-              ("the number of records in the file", "the count of lines that are records")),
+# The op's key phrase is shared by both splits: a 0.92M model trained from scratch on these templates cannot
+# learn what a paraphrase of it means (measured in the first pilot: 0% and 10% right ops on two held-out
+# paraphrases of "distinct values"), and that is not what this experiment asks. Held-out instructions are new
+# sentences (reserved frames, reserved (op, field, extension) cells), whose key phrases the policy knows.
+WHAT = {
+    "values": ("the values of field {k}, in file order", "field {k} of every record, in order"),
+    "distinct": ("the sorted distinct values of field {k}", "the distinct values of field {k}, sorted"),
+    "sum": ("the sum of field {k}", "the total of field {k}"),
+    "max": ("the largest value of field {k}", "the maximum of field {k}"),
+    "count": ("the number of records", "how many records there are"),
 }
 REASON = {
     "assume": "The file is comma separated, so I will compute the answer with awk.",
@@ -89,7 +84,7 @@ REASON = {
     "act": "Now I know the delimiter{hdr}, so I will compute the answer with awk.",
     "done": "The result is written, so the task is done.",
 }
-NGRAM = 6  # word n-grams a held-out instruction may not share with any SFT/RL instruction
+NGRAM = 8  # word n-grams a held-out instruction may not share with any SFT/RL instruction
 
 
 def _h(*parts) -> int:
@@ -148,7 +143,7 @@ def draw(rng: random.Random, split: str) -> Spec:
     n = rng.randint(4, 8)
     records = tuple((f"{rng.choice(WORDS)}{i}", rng.choice(COLOURS), rng.randint(1, 99), rng.randint(100, 999))
                     for i in range(n))
-    template = (rng.choice(INTRO[split]), rng.choice(ASK[split]), rng.choice(WHAT[op][split == "heldout"]))
+    template = (rng.choice(INTRO[split]), rng.choice(ASK[split]), rng.choice(WHAT[op]))
     text = template[0].format(src=src) + " " + template[1].format(what=template[2].format(k=k), dst=dst)
     return Spec(split, op, k, src, dst, delim, header, records, template, text[0].upper() + text[1:])
 
@@ -287,14 +282,14 @@ def disjointness(heldout: list[Spec], training: dict[str, list[Spec]]) -> dict:
         combos = {(s.template, s.op, s.k, s.src, s.dst) for s in specs}
         params = {(s.op, s.k, s.src) for s in specs}
         templates = {s.template for s in specs}
-        slots = [{s.template[i] for s in specs} for i in range(3)]
+        slots = [{s.template[i] for s in specs} for i in range(2)]  # the frame; key phrases are shared
         out[src] = {"instructions": len(texts),
                     "exact": sum(s.instruction in texts for s in heldout),
                     "ngram": sum(bool(ngrams(s.instruction) & grams) for s in heldout),
                     "parameters": sum((s.op, s.k, s.src) in params for s in heldout),
                     "combination": sum((s.template, s.op, s.k, s.src, s.dst) in combos for s in heldout),
                     "template": sum(s.template in templates for s in heldout),
-                    "template_slot": sum(any(s.template[i] in slots[i] for i in range(3)) for s in heldout)}
+                    "template_slot": sum(any(s.template[i] in slots[i] for i in range(2)) for s in heldout)}
     out["all_zero"] = all(v[key] == 0 for v in out.values() if isinstance(v, dict)
                           for key in ("exact", "ngram", "parameters", "combination", "template", "template_slot"))
     return out

@@ -5,18 +5,34 @@
 reads RESULTS/learning_v2/attempts.jsonl and RESULTS/learning_v2.json and checks
 
 - every pass@1 in ``arms`` (per run and step: the mean over tasks of the task's pass rate) and in ``curves``, and
-  the SFT pass@k curve (unbiased estimator, as a product);
-- each arm's final step (the largest step every run of the arm evaluated), every comparison's mean (to 1e-9) and
-  95% interval (its own paired bootstrap over tasks, 10,000 resamples drawn as multinomial counts, another seed;
-  to 0.02), per SFT seed too, and ``goal_met`` against the pre-registered rule;
-- the go/no-go numbers (pass@1, pass@n, their difference, the share of tasks with 0 < rate < 1, the verdict)
-  from the SFT attempts;
+  the SFT pass@k curve: k = 1 .. the most attempts of a task, the unbiased estimator (as a product) only over
+  the tasks with >= k attempts, and ``sft_pass_at_k_tasks`` (tasks used and excluded per k);
+- final steps, with no fallback: an RL arm's final step is the settings' ``steps`` (else its largest step), its
+  runs the settings' ``sft_seeds`` x ``rl_seeds``; every run with no attempts at the final step must be listed in
+  ``final_step_check[arm]["problems"]``, and then the arm has no final step, its failure modes and every
+  comparison with it must be ``available: false`` with a reason (so must X-sft without attempts of an SFT seed X
+  starts from, and X-Y with different final steps). An evaluation that did not finish (no summary.json) cannot
+  be seen in attempts.jsonl: an arm unavailable for that reason only is accepted with a warning;
+- every available comparison (all seven must be recorded): its tasks, mean (to 1e-9) and, each with its own
+  code and seeds (10,000 resamples drawn as multinomial counts): the task bootstrap ``ci95``/``lo``/``hi``
+  (to 0.02), ``ci95_runs_tasks`` (runs redrawn within each SFT seed of each RL side, the SFT side's per-seed
+  evaluation fixed, then tasks; to 0.03) and ``ci95_instruction_clusters`` (whole instructions drawn; to 0.03);
+  per SFT seed the same (without clusters), ``sign_agrees_per_sft_seed``, and ``per_run`` (each A run's pass@1
+  minus its SFT seed's SFT pass@1, or minus B's run with the same seeds, on the tasks both have; to 1e-9);
+  ``goal_met``, ``goal_met_strict`` and ``goal_met_instruction_clusters`` against the pre-registered rule applied
+  to the json's ``ci95``, ``ci95_runs_tasks`` and ``ci95_instruction_clusters``;
+- the go/no-go numbers (pass@1, pass@n over the tasks with n attempts, their difference, the share of tasks with
+  0 < rate < 1, the verdict) from the SFT attempts;
 - the failure-mode counts and inspected counts of ``failure_modes`` (per grade too) and its lift totals;
 - disjointness against the tasks the code generates (``data.generate`` with the json's settings): no held-out
   instruction equals or shares a word n-gram (n = family.NGRAM, whitespace words by its own code) with any
-  SFT/RL instruction, no held-out template phrasing occurs in any training instruction's template, the json's
+  SFT/RL instruction, no held-out frame phrasing (intro, ask) occurs in any training instruction's frame, the json's
   overlap counts equal these, and the held-out task ids of attempts.jsonl are exactly ``family.task_id`` of the
-  generated held-out specs (with their instructions).
+  generated held-out specs (with their instructions);
+- the near-duplicate report ``disjointness_nearest`` on the generated instructions, with this file's own words:
+  the histogram of each held-out instruction's longest run of words shared with a training instruction, the
+  min / median / max of its best word-3-gram Jaccard similarity, and the closest pair's normalised Levenshtein
+  distance (plain dynamic programme) equal to the reported minimum.
 
 Exits 1 with every mismatch listed, else prints a short OK summary.
 """
@@ -38,9 +54,10 @@ sys.path.insert(0, str(HERE))
 import data  # noqa: E402
 import family  # noqa: E402
 
-EXACT, INTERVAL = 1e-9, 0.02
+EXACT, INTERVAL, INTERVAL_NEW = 1e-9, 0.02, 0.03
 RESAMPLES, SEED = 10_000, 20_240_917
 MODES = ("passed", "wrong_format", "gave_up", "turn_limit", "other")
+COMPARISONS = ("grpo-sft", "dppo-sft", "grpo-rft", "dppo-rft", "placebo-sft", "rft-sft", "grpo-placebo")
 
 
 class Checker:
@@ -85,6 +102,9 @@ def mean_rate(rows) -> float | None:
 
 
 def unbiased(n: int, c: int, k: int) -> float:
+    """1 - C(n-c, k) / C(n, k) as a product (k <= n)."""
+    if k > n:
+        raise ValueError(f"pass@{k} from {n} attempts")
     if n - c < k:
         return 1.0
     return 1.0 - float(np.prod([1.0 - k / i for i in range(n - c + 1, n + 1)]))
@@ -108,17 +128,41 @@ def group(rows):
     return g
 
 
-def final_step(groups, arm: str) -> int | None:
-    if arm == "sft":
-        return 0
-    runs = defaultdict(set)
-    for a, s, r, n in groups:
-        if a == arm:
-            runs[(s, r)].add(n)
-    if not runs:
-        return None
-    common = set.intersection(*runs.values())
-    return max(common) if common else max(max(v) for v in runs.values())
+class Runs:
+    """The runs each arm should have and its final step, from the json's settings (else from the attempts)."""
+
+    def __init__(self, res: dict, groups):
+        self.st, self.groups = res.get("settings") or {}, groups
+
+    def expected(self, arm: str) -> list[tuple[int, int]]:
+        st = self.st
+        if arm in (st.get("arms") or []) and "sft_seeds" in st and "rl_seeds" in st:
+            return [(s, r) for s in st["sft_seeds"] for r in st["rl_seeds"]]
+        return sorted({(s, r) for (a, s, r, n) in self.groups if a == arm})
+
+    def sft_seeds(self, arm: str) -> set[int]:
+        return {s for s, r in self.expected(arm)}
+
+    def final(self, arm: str) -> int | None:
+        if arm == "sft":
+            return 0
+        if isinstance(self.st.get("steps"), int):
+            return self.st["steps"]
+        steps = [n for (a, s, r, n) in self.groups if a == arm]
+        return max(steps) if steps else None
+
+    def lacking(self, arm: str) -> list[str]:
+        """Runs of ``arm`` with no attempts at its final step."""
+        n = self.final(arm)
+        return [f"s{s}_r{r}" for s, r in self.expected(arm) if not self.groups.get((arm, s, r, n))]
+
+    def side(self, arm: str, step: int, seeds=None, runs=None) -> dict[int, dict[str, dict]]:
+        """{SFT seed: {run key: per_task counts}}"""
+        out: dict[int, dict[str, dict]] = defaultdict(dict)
+        for (a, s, r, n), v in self.groups.items():
+            if a == arm and n == step and (seeds is None or s in seeds) and (runs is None or (s, r) in runs):
+                out[s][f"s{s}" if r is None else f"s{s}_r{r}"] = per_task(v)
+        return dict(out)
 
 
 def arm_rows(groups, arm: str, step: int, seeds=None):
@@ -126,11 +170,7 @@ def arm_rows(groups, arm: str, step: int, seeds=None):
             for x in v]
 
 
-def seeds_of(groups, arm: str, step: int) -> set[int]:
-    return {s for (a, s, r, n) in groups if a == arm and n == step}
-
-
-def check_arms(ck: Checker, res: dict, groups) -> None:
+def check_arms(ck: Checker, res: dict, groups, runs: Runs) -> None:
     seen = set()
     for (a, s, r, n), v in groups.items():
         key = f"s{s}" if a == "sft" else f"s{s}_r{r}"
@@ -140,72 +180,189 @@ def check_arms(ck: Checker, res: dict, groups) -> None:
             ck.errors.append(f"arms[{a}][{key}][{n}] missing from the json ({len(v)} attempts)")
             continue
         ck.close(f"arms[{a}][{key}][{n}] pass@1", mean_rate(v), want, kind="pass@1")
-    for a, runs in res.get("arms", {}).items():
-        for key, by in runs.items():
+    for a, by_run in res.get("arms", {}).items():
+        for key, by in by_run.items():
             for n in by:
                 if (a, key, n) not in seen:
                     ck.errors.append(f"arms[{a}][{key}][{n}] has no attempts in attempts.jsonl")
     for a, curve in res.get("curves", {}).items():
-        fin = final_step(groups, a)
-        base = seeds_of(groups, a, fin)
         for n, c in curve.items():
-            v = arm_rows(groups, "sft", 0, base) if n == "0" else arm_rows(groups, a, int(n))
+            v = arm_rows(groups, "sft", 0, runs.sft_seeds(a)) if n == "0" else arm_rows(groups, a, int(n))
             ck.close(f"curves[{a}][{n}] pass@1", mean_rate(v), c["pass@1"], kind="pass@1")
             ck.same(f"curves[{a}][{n}] attempts", len(v), c["attempts"])
     sft = arm_rows(groups, "sft", 0)
-    pak = res.get("sft_pass_at_k", {})
+    pak, pak_tasks = res.get("sft_pass_at_k", {}), res.get("sft_pass_at_k_tasks", {})
     for key, curve in pak.items():
         rows = sft if key == "all" else [x for x in sft if f"s{x['sft_seed']}" == key]
         t = per_task(rows)
+        ck.same(f"sft_pass_at_k[{key}] k values", sorted(map(int, curve)),
+                list(range(1, max((n for p, n in t.values()), default=0) + 1)), kind="pass@k")
         for k, want in curve.items():
-            got = float(np.mean([unbiased(n, p, int(k)) for p, n in t.values()])) if t else None
+            use = [(p, n) for p, n in t.values() if n >= int(k)]  # the estimator needs k <= n
+            got = float(np.mean([unbiased(n, p, int(k)) for p, n in use])) if use else None
             ck.close(f"sft_pass_at_k[{key}][{k}]", got, want, kind="pass@k")
+            ck.same(f"sft_pass_at_k_tasks[{key}][{k}]", {"tasks": len(use), "excluded": len(t) - len(use)},
+                    pak_tasks.get(key, {}).get(k), kind="pass@k")
 
 
-def side_rows(groups, a: str, b: str, arm: str, seeds):
-    """Attempts of ``arm`` (one side of comparison a-b) at its final step; sft: step 0 of the SFT seeds that a's
-    final-step runs start from (when b is sft), restricted to ``seeds``."""
-    if arm == "sft":
-        base = seeds_of(groups, a, final_step(groups, a)) if b == "sft" else None
-        use = base if seeds is None else (set(seeds) if base is None else base & set(seeds))
-        return arm_rows(groups, "sft", 0, use)
-    return arm_rows(groups, arm, final_step(groups, arm), seeds)
+def check_final_steps(ck: Checker, res: dict, groups, runs: Runs) -> dict[str, bool]:
+    """Each RL arm's final step and runs; an arm with a run lacking attempts there must have no final step.
+    Returns arm -> available (as the json has it, once consistent)."""
+    avail = {}
+    fsc = res.get("final_step_check", {})
+    for arm in sorted({a for (a, s, r, n) in groups if a != "sft"}):
+        c = fsc.get(arm)
+        if c is None:
+            ck.errors.append(f"final_step_check has no entry for {arm}")
+            continue
+        ck.same(f"final_step_check[{arm}] step", runs.final(arm), c["step"], kind="final steps")
+        ck.same(f"final_step_check[{arm}] runs", [f"s{s}_r{r}" for s, r in runs.expected(arm)], c["runs"],
+                kind="final steps")
+        lack = runs.lacking(arm)
+        for key in lack:
+            if not any(p.startswith(f"{arm} {key} ") for p in c["problems"]):
+                ck.errors.append(f"final_step_check[{arm}]: run {key} has no attempts at step {c['step']} but is "
+                                 f"not listed as a problem")
+        if c["available"] != (not c["problems"]):
+            ck.errors.append(f"final_step_check[{arm}]: available {c['available']} with problems {c['problems']}")
+        if c["problems"] and not lack:
+            ck.warnings.append(f"{arm}: unavailable for reasons attempts.jsonl cannot show ({c['problems']})")
+        ck.same(f"final_steps[{arm}]", runs.final(arm) if c["available"] else None,
+                res.get("final_steps", {}).get(arm), kind="final steps")
+        avail[arm] = c["available"] and not lack
+    return avail
 
 
-def compare(ck: Checker, groups, a: str, b: str, what: str, want: dict, seeds, seed: int) -> float | None:
-    ta = per_task(side_rows(groups, a, b, a, seeds))
-    tb = per_task(side_rows(groups, a, b, b, seeds))
-    common = sorted(set(ta) & set(tb))
+def runs_tasks_interval(a: dict, b: dict, b_fixed: bool, tasks: list[str], seed: int) -> tuple[float, float]:
+    """Runs redrawn (multinomial counts) within each SFT seed of each RL side, the SFT side fixed, then tasks."""
+    rng = np.random.default_rng(seed)
+    T = len(tasks)
+
+    def rates(side: dict, fixed: bool) -> np.ndarray:
+        P, N = np.zeros((RESAMPLES, T)), np.zeros((RESAMPLES, T))
+        for s in sorted(side):
+            runs = [side[s][k] for k in sorted(side[s])]
+            m = len(runs)
+            p = np.array([[c[t][0] if t in c else 0 for t in tasks] for c in runs], dtype=float)
+            n = np.array([[c[t][1] if t in c else 0 for t in tasks] for c in runs], dtype=float)
+            w = np.ones((RESAMPLES, m)) if fixed else rng.multinomial(m, np.full(m, 1.0 / m), size=RESAMPLES)
+            P += w @ p
+            N += w @ n
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return P / N
+
+    diff = rates(a, False) - rates(b, b_fixed)
+    w = rng.multinomial(T, np.full(T, 1.0 / T), size=RESAMPLES)
+    ok = ~np.isnan(diff)
+    means = (w * np.where(ok, diff, 0.0)).sum(axis=1) / (w * ok).sum(axis=1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def cluster_interval(d: np.ndarray, labels: list[str], seed: int) -> tuple[float, float]:
+    """Whole clusters drawn (multinomial counts): the mean of d over the drawn clusters' tasks."""
+    uniq = sorted(set(labels))
+    sums = np.array([sum(x for x, lab in zip(d, labels) if lab == u) for u in uniq])
+    sizes = np.array([sum(lab == u for lab in labels) for u in uniq], dtype=float)
+    w = np.random.default_rng(seed).multinomial(len(uniq), np.full(len(uniq), 1.0 / len(uniq)), size=RESAMPLES)
+    means = (w @ sums) / (w @ sizes)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
+def pooled(side: dict) -> dict[str, float]:
+    tot: dict[str, list[int]] = {}
+    for by_run in side.values():
+        for c in by_run.values():
+            for t, (p, n) in c.items():
+                x = tot.setdefault(t, [0, 0])
+                x[0] += p
+                x[1] += n
+    return {t: p / n for t, (p, n) in tot.items()}
+
+
+def compare(ck: Checker, what: str, want: dict, A: dict, B: dict, b_fixed: bool, seed: int,
+            instruction: dict | None) -> float | None:
+    ra, rb = pooled(A), pooled(B)
+    common = sorted(set(ra) & set(rb))
     ck.same(f"{what} tasks", len(common), want["tasks"])
     if not common:
         return None
-    d = np.array([ta[t][0] / ta[t][1] - tb[t][0] / tb[t][1] for t in common])
+    d = np.array([ra[t] - rb[t] for t in common])
     ck.close(f"{what} mean", float(d.mean()), want["mean"], kind="comparison means")
     lo, hi = interval(d, seed)
     ck.close(f"{what} lower end", lo, want["lo"], INTERVAL, kind="interval ends")
     ck.close(f"{what} upper end", hi, want["hi"], INTERVAL, kind="interval ends")
+    ck.same(f"{what} ci95", [want["lo"], want["hi"]], want.get("ci95"))
+    rt = runs_tasks_interval(A, B, b_fixed, common, seed + 7)
+    for end, got, w in zip(("lower", "upper"), rt, want.get("ci95_runs_tasks") or [None, None]):
+        ck.close(f"{what} runs x tasks {end} end", got, w, INTERVAL_NEW, kind="runs x tasks interval ends")
+    if instruction is not None:
+        labels = [instruction[t] for t in common]
+        ck.same(f"{what} instruction clusters", len(set(labels)), want.get("instruction_clusters"))
+        ci = cluster_interval(d, labels, seed + 13)
+        for end, got, w in zip(("lower", "upper"), ci, want.get("ci95_instruction_clusters") or [None, None]):
+            ck.close(f"{what} instruction-cluster {end} end", got, w, INTERVAL_NEW,
+                     kind="instruction-cluster interval ends")
     return lo
 
 
-def check_comparisons(ck: Checker, res: dict, groups) -> list[str]:
+def check_comparisons(ck: Checker, res: dict, groups, runs: Runs, avail: dict[str, bool], rows) -> list[str]:
     flips = []
-    for i, (name, c) in enumerate(res.get("comparisons", {}).items()):
+    instruction = {r["task_id"]: r["instruction"] for r in rows}
+    comp = res.get("comparisons", {})
+    ck.same("comparisons recorded", sorted(comp), sorted(COMPARISONS))
+    for i, (name, c) in enumerate(comp.items()):
         a, b = name.split("-")
-        ck.same(f"{name} steps", (final_step(groups, a), final_step(groups, b)), (c["a_step"], c["b_step"]))
-        lo = compare(ck, groups, a, b, name, c, None, SEED + i)
-        for j, (key, v) in enumerate(c.get("per_sft_seed", {}).items()):
-            compare(ck, groups, a, b, f"{name} {key}", v, {int(key[1:])}, SEED + 100 * (i + 1) + j)
+        ok = avail.get(a, False) and (b == "sft" or (avail.get(b, False) and runs.final(a) == runs.final(b)))
+        seeds = runs.sft_seeds(a)
+        if ok and b == "sft":
+            ok = all(groups.get(("sft", s, None, 0)) for s in seeds)
+        if not ok:
+            ck.same(f"{name} available", False, c.get("available"), kind="availability")
+            if not c.get("reason"):
+                ck.errors.append(f"{name}: unavailable without a reason")
+            continue
+        ck.same(f"{name} available", True, c.get("available"), kind="availability")
+        if not c.get("available"):
+            continue
+        ck.same(f"{name} steps", (runs.final(a), runs.final(b)), (c["a_step"], c["b_step"]))
+        A = runs.side(a, runs.final(a), runs=set(runs.expected(a)))
+        B = (runs.side("sft", 0, seeds) if b == "sft" else runs.side(b, runs.final(b), runs=set(runs.expected(b))))
+        lo = compare(ck, name, c, A, B, b == "sft", SEED + i, instruction)
+        both = sorted(set(A) & set(B))
+        ck.same(f"{name} per-SFT-seed keys", [f"s{s}" for s in both], list(c.get("per_sft_seed", {})))
+        means = []
+        for j, s in enumerate(both):
+            v = c["per_sft_seed"].get(f"s{s}", {})
+            compare(ck, f"{name} s{s}", v, {s: A[s]}, {s: B[s]}, b == "sft", SEED + 100 * (i + 1) + j, None)
+            means.append(v.get("mean"))
+        agrees = bool(means) and None not in means and (all(m > 0 for m in means) or all(m < 0 for m in means))
+        ck.same(f"{name} sign_agrees_per_sft_seed", agrees, c.get("sign_agrees_per_sft_seed"))
+        per_run = {}
+        for s in both:
+            for key, ca in A[s].items():
+                cb = B[s].get(f"s{s}" if b == "sft" else key)
+                common = sorted(set(ca) & set(cb or {}))
+                if common:
+                    per_run[key] = float(np.mean([ca[t][0] / ca[t][1] - cb[t][0] / cb[t][1] for t in common]))
+        want_runs = c.get("per_run", {})
+        ck.same(f"{name} per_run runs", sorted(per_run), sorted(want_runs))
+        for key, got in per_run.items():
+            ck.close(f"{name} per_run[{key}]", got, want_runs.get(key), kind="per-run differences")
         if lo is not None and c.get("lo") is not None and (lo > 0) != (c["lo"] > 0):
             flips.append(name)
-    # the goal, from the json's intervals
-    comp = res.get("comparisons", {})
 
-    def lo_of(n):
-        return (comp.get(n) or {}).get("lo")
+    def goal_met(key: str) -> bool:
+        def lo_of(n):
+            c = comp.get(n) or {}
+            return (c.get(key) or [None])[0] if c.get("available") else None
 
-    above = all(lo_of(n) is not None and lo_of(n) > 0 for n in ("grpo-sft", "dppo-sft", "grpo-rft", "dppo-rft"))
-    met = above and lo_of("placebo-sft") is not None and lo_of("placebo-sft") <= 0
-    ck.same("goal_met", met, res.get("goal_met"))
+        above = all(lo_of(n) is not None and lo_of(n) > 0 for n in ("grpo-sft", "dppo-sft", "grpo-rft", "dppo-rft"))
+        return above and lo_of("placebo-sft") is not None and lo_of("placebo-sft") <= 0
+
+    ck.same("goal_met", goal_met("ci95"), res.get("goal_met"))
+    ck.same("goal_met_strict", goal_met("ci95_runs_tasks"), res.get("goal_met_strict"))
+    ck.same("goal_met_instruction_clusters", goal_met("ci95_instruction_clusters"),
+            res.get("goal_met_instruction_clusters"))
     return flips
 
 
@@ -220,7 +377,8 @@ def check_gates(ck: Checker, res: dict, groups) -> None:
             continue
         rates = [p / n for p, n in t.values()]
         p1 = sum(rates) / len(rates)
-        pn = sum(p > 0 for p, n in t.values()) / len(t)
+        full = [(p, n) for p, n in t.values() if n >= g["samples"]]  # pass@n needs n attempts
+        pn = sum(p > 0 for p, n in full) / max(1, len(full))
         mixed = sum(0 < x < 1 for x in rates) / len(rates)
         w = f"go/no-go seed {g['sft_seed']}"
         ck.same(f"{w} tasks", len(t), g["tasks"], kind="go/no-go")
@@ -243,21 +401,28 @@ def rate(rows, inspected: bool | None = None) -> float:
     return sum(bool(x["passed"]) and (inspected is None or bool(x["inspected"]) == inspected) for x in rows) / len(rows)
 
 
-def check_failure_modes(ck: Checker, res: dict, groups, rows) -> None:
+def check_failure_modes(ck: Checker, res: dict, groups, rows, runs: Runs, avail: dict[str, bool]) -> None:
     for r in rows:
         if r["failure_mode"] not in MODES or (r["failure_mode"] == "passed") != bool(r["passed"]):
             ck.errors.append(f"attempt {r['arm']} s{r['sft_seed']} r{r['seed']} step {r['step']} {r['task_id']}/"
                              f"{r['sample']}: failure_mode {r['failure_mode']!r} with passed={r['passed']}")
             break
     for arm, fm in res.get("failure_modes", {}).items():
-        fin = final_step(groups, arm)
-        base = None if arm == "sft" else seeds_of(groups, arm, fin)
+        if arm != "sft":
+            ck.same(f"failure_modes[{arm}] available", avail.get(arm, False), fm.get("available"),
+                    kind="availability")
+            if not fm.get("available"):
+                continue
+        fin = runs.final(arm)
+        base = None if arm == "sft" else runs.sft_seeds(arm)
+        want = set(runs.expected(arm)) if arm != "sft" else None
         if arm != "sft":
             ck.same(f"failure_modes[{arm}] final step", fin, fm["final_step"])
             ck.same(f"failure_modes[{arm}] SFT seeds", sorted(base), fm["sft_seeds"])
         sides = {}
         for n, blk in fm["steps"].items():
-            v = arm_rows(groups, "sft", 0, base) if n == "0" else arm_rows(groups, arm, int(n))
+            v = (arm_rows(groups, "sft", 0, base) if n == "0" else
+                 [x for x in arm_rows(groups, arm, int(n)) if want is None or (x["sft_seed"], x["seed"]) in want])
             sides[n] = v
             ck.same(f"failure_modes[{arm}][{n}] attempts", len(v), blk["attempts"], kind="failure-mode counts")
             for m in MODES:
@@ -322,8 +487,8 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
         tg = set().union(*(grams(t, n) for t in texts))
         exact = sum(" ".join(tokens(s.instruction)) in tnorm for s in held)
         shared = sum(bool(g & tg) for g in hgrams)
-        slots = [{s.template[i] for s in v} for i in range(3)]
-        reused = sum(any(t[i] in slots[i] for i in range(3)) for t in htemplates)
+        slots = [{s.template[i] for s in v} for i in range(2)]  # the frame (intro, ask); key phrases are shared
+        reused = sum(any(t[i] in slots[i] for i in range(2)) for t in htemplates)
         for what, got in (("exact", exact), ("ngram", shared), ("template_slot", reused)):
             ck.same(f"disjointness {src} {what} (must be 0)", got, 0, kind="disjointness")
             if isinstance(dj.get(src), dict):
@@ -341,7 +506,56 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
     ck.checked["disjointness"] += 1
     bad = sum(r["instruction"] != ids[r["task_id"]].instruction for r in rows if r["task_id"] in ids)
     ck.same("attempts whose instruction differs from the generated task's", bad, 0, kind="disjointness")
+    check_nearest(ck, res.get("disjointness_nearest") or {}, specs)
     return f"{len(held)} held-out tasks vs " + ", ".join(f"{k} {len(v)}" for k, v in specs.items() if k != "heldout")
+
+
+def levenshtein(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return prev[-1]
+
+
+def check_nearest(ck: Checker, nd: dict, specs: dict) -> None:
+    """The near-duplicate report, with this file's own words: the longest shared word runs (histogram), the
+    word-3-gram Jaccard summary, and the edit distance of the json's closest pair."""
+    if not nd.get("available"):
+        ck.warnings.append(f"no near-duplicate report: {nd.get('reason')}")
+        return
+    held = sorted({x.instruction for x in specs["heldout"]})
+    train = sorted({x.instruction for k, v in specs.items() if k != "heldout" for x in v})
+    ck.same("disjointness_nearest instructions", (len(held), len(train)),
+            (nd["heldout_instructions"], nd["training_instructions"]), kind="near duplicates")
+    tt = [tokens(t) for t in train]
+    t3 = [grams(t, 3) for t in train]
+    by_n: dict[int, set] = {}
+    runs, jac = [], []
+    for h in held:
+        w = tokens(h)
+        run = 0
+        while True:
+            n = run + 1
+            if n not in by_n:
+                by_n[n] = {tuple(x[i:i + n]) for x in tt for i in range(len(x) - n + 1)}
+            if n > len(w) or not {tuple(w[i:i + n]) for i in range(len(w) - n + 1)} & by_n[n]:
+                break
+            run = n
+        runs.append(run)
+        g = grams(h, 3)
+        jac.append(max(len(g & x) / len(g | x) if g | x else 0.0 for x in t3))
+    hist = {str(n): runs.count(n) for n in range(max(runs) + 1)}
+    ck.same("disjointness_nearest longest shared word runs", hist, nd["longest_shared_words"]["histogram"],
+            kind="near duplicates")
+    for key, got in (("min", min(jac)), ("median", float(np.median(jac))), ("max", max(jac))):
+        ck.close(f"disjointness_nearest jaccard_word3 {key}", got, nd["jaccard_word3"][key], kind="near duplicates")
+    c = nd["closest"]["char_edit"]
+    got = levenshtein(c["heldout"], c["training"]) / max(len(c["heldout"]), len(c["training"]))
+    ck.close("disjointness_nearest closest char_edit", got, c["value"], kind="near duplicates")
+    ck.same("disjointness_nearest char_edit min", c["value"], nd["char_edit"]["min"], kind="near duplicates")
 
 
 def main(argv=None) -> int:
@@ -356,10 +570,12 @@ def main(argv=None) -> int:
     dup = len(rows) - len({(r["arm"], r["sft_seed"], r["seed"], r["step"], r["task_id"], r["sample"]) for r in rows})
     ck.same("duplicate attempts", dup, 0)
     groups = group(rows)
-    check_arms(ck, res, groups)
-    flips = check_comparisons(ck, res, groups)
+    runs = Runs(res, groups)
+    check_arms(ck, res, groups, runs)
+    avail = check_final_steps(ck, res, groups, runs)
+    flips = check_comparisons(ck, res, groups, runs, avail, rows)
     check_gates(ck, res, groups)
-    check_failure_modes(ck, res, groups, rows)
+    check_failure_modes(ck, res, groups, rows, runs, avail)
     dis = check_disjointness(ck, res, rows)
     if flips:
         ck.warnings.append("own intervals put the lower end on the other side of 0 for " + ", ".join(flips)
