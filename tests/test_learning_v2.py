@@ -37,6 +37,10 @@ def test_splits_are_disjoint_and_the_check_sees_an_overlap():
     # a held-out list that contains a training instruction, or a training template, is caught
     leaked = family.disjointness(specs["heldout"][:5] + specs["rl"][:1], {"rl": specs["rl"]})
     assert leaked["rl"]["exact"] == 1 and leaked["rl"]["ngram"] >= 1 and not leaked["all_zero"]
+    train_cells = family.CELLS["train"]  # a held-out cell is a new combination of pairs seen in training
+    assert family.CELLS["heldout"] and all(
+        any(c[:2] == (op, k) for c in train_cells) and any((c[0], c[2]) == (op, ext) for c in train_cells)
+        for op, k, ext in family.CELLS["heldout"])
     train_slots = [{s.template[i] for k, v in specs.items() if k != "heldout" for s in v} for i in range(2)]
     assert not any(s.template[i] in train_slots[i] for s in specs["heldout"] for i in range(2))
 
