@@ -116,7 +116,8 @@ def go_no_go(root: Path, seed: int, samples: int) -> dict:
     mixed = sum(0 < p < 1 for p in rates) / len(rates)
     verdict = (GO["pass1_min"] <= pass1 <= GO["pass1_max"] and pass8 - pass1 >= GO["pass8_minus_pass1_min"]
                and mixed >= GO["mixed_frac_min"])
-    return {"sft_seed": seed, "tasks": len(by), "tasks_with_all_samples": len(full), "samples": samples, "pass@1": pass1, f"pass@{samples}": pass8,
+    return {"sft_seed": seed, "tasks": len(by), "tasks_with_all_samples": len(full), "samples": samples,
+            "pass@1": pass1, f"pass@{samples}": pass8,
             "pass@k_minus_pass@1": pass8 - pass1, "mixed_frac": mixed, "criteria": GO,
             "verdict": "go" if verdict else "no-go"}
 

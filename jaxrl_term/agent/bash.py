@@ -60,7 +60,8 @@ class BashScaffold(Scaffold):
     name = "bash"
 
     def initial_messages(self, instruction: str) -> list[dict]:
-        prompt = self.system_prompt("bash", instruction=instruction, sentinel=SENTINEL, timeout=int(self.command_timeout_s))
+        prompt = self.system_prompt("bash", instruction=instruction, sentinel=SENTINEL,
+                                    timeout=int(self.command_timeout_s))
         return [{"role": "system", "content": prompt}, {"role": "user", "content": "Begin working on the task."}]
 
     def parse(self, text: str) -> Parsed:

@@ -123,7 +123,8 @@ class TbrlScaffold(Scaffold):
     name = "tbrl"
 
     def initial_messages(self, instruction: str) -> list[dict]:
-        return [{"role": "system", "content": self.system_prompt("tbrl", timeout=int(self.command_timeout_s)).strip()},
+        system = self.system_prompt("tbrl", timeout=int(self.command_timeout_s))
+        return [{"role": "system", "content": system.strip()},
                 {"role": "user", "content": instruction}]
 
     def parse(self, text: str) -> Parsed:
