@@ -31,7 +31,7 @@ def _specs() -> list:
 
 
 def test_splits_are_disjoint_and_the_check_sees_an_overlap():
-    specs, _ = data.generate(sft_seeds=[0], n_sft=300, look_frac=0.25, n_rl=64, n_heldout=40)
+    specs, _ = data.generate(sft_seeds=[0], n_sft=1500, look_frac=0.25, n_rl=64, n_heldout=40)
     check = family.disjointness(specs["heldout"], {k: v for k, v in specs.items() if k != "heldout"})
     assert check["all_zero"] and check["heldout_tasks"] == 40 and check["heldout_instructions"] >= 20
     # a held-out list that contains a training instruction, or a training template, is caught
@@ -41,6 +41,19 @@ def test_splits_are_disjoint_and_the_check_sees_an_overlap():
     assert family.CELLS["heldout"] and all(
         any(c[:2] == (op, k) for c in train_cells) and any((c[0], c[2]) == (op, ext) for c in train_cells)
         for op, k, ext in family.CELLS["heldout"])
+    # no parameter of a held-out (or dev) cell is guessable from the other two as seen in training, even without
+    # the dev cells; pilot 3's rotation (one extension per (op, field), fields 3-4 only for sums) was
+    old = [(op, k, e) for op, ks in (("sum", (3, 4)), ("values", (1, 2, 3, 4))) for i, k in enumerate(ks)
+           for j, e in enumerate(("txt", "csv", "dat")) if j == (i + family.OPS.index(op)) % 3]
+    old_train = [(op, k, e) for op, ks in (("sum", (3, 4)), ("values", (1, 2, 3, 4))) for k in ks
+                 for e in ("txt", "csv", "dat") if (op, k, e) not in old]
+    assert family.shortcuts(old_train, old) > 0 and check["shortcuts"] == 0
+    train_only = [c for c in train_cells if c not in family.CELLS["dev"]]
+    assert family.shortcuts(train_only, family.CELLS["heldout"] + family.CELLS["dev"]) == 0
+    dev, _ = data.generate(sft_seeds=[0], n_sft=200, look_frac=0.25, n_rl=32, n_heldout=16, dev=True)
+    cell = lambda s: (s.op, s.k, s.src.rsplit(".", 1)[1])  # noqa: E731
+    assert {cell(s) for s in dev["heldout"]} <= set(family.CELLS["dev"])
+    assert not {cell(s) for k in ("sft_0", "rl") for s in dev[k]} & set(family.CELLS["dev"] + family.CELLS["heldout"])
     train_slots = [{s.template[i] for k, v in specs.items() if k != "heldout" for s in v} for i in range(2)]
     assert not any(s.template[i] in train_slots[i] for s in specs["heldout"] for i in range(2))
 

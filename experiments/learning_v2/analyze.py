@@ -193,7 +193,7 @@ def rebuild(task) -> family.Spec | None:
         lines = task.environment.files[name].data.decode().splitlines()
         if m["header"]:
             lines = lines[1:]
-        records = tuple((a, b, int(c), int(d)) for a, b, c, d in (ln.split(m["delim"]) for ln in lines))
+        records = tuple(family.parse_record(ln.split(m["delim"])) for ln in lines)
         k = None if m["k"] is None else int(m["k"])
         spec = family.Spec(m.get("split", "heldout"), m["op"], k, m["src"], m["dst"], m["delim"], bool(m["header"]),
                            records, tuple(m["template"]), task.instruction)

@@ -15,8 +15,9 @@ attributes that differ from the default; ``default_ok`` = whether the default co
 
 Splits are disjoint by construction (``disjointness`` checks it on the generated text):
 - instruction parameters: every (op, field, extension) cell belongs to one split (``cell_split``), so a
-  held-out instruction asks for a combination no SFT or RL instruction asks for (every pair of its parts occurs
-  in training, in other combinations);
+  held-out instruction asks for a combination no SFT or RL instruction asks for; every pair of its parts occurs
+  in training, in other combinations, and no part is predictable from the other two as seen in training
+  (``shortcuts``: 0);
 - sentence frames: the intro and ask slots have phrasings reserved for the held-out split, so no held-out
   instruction's template (frame + key phrase) occurs in SFT or RL data;
 - held-out instructions that would share a word 8-gram with any SFT/RL instruction are redrawn.
@@ -42,7 +43,9 @@ from jaxrl_term.tasks.task import Environment, FileBlob, Solution, Task, Tests
 BASE_IMAGE = "jaxrl-term/base:trixie"
 DELIMS = (",", ";", "|", ":")
 DEFAULT_DELIM = ","
-EXTS = ("txt", "csv", "dat")
+# Extensions: one token each in the tiny tokenizer. With 8 of them the SFT policy writes the right one on new
+# (op, field, extension) combinations 510 of 512 times; with 4, 70% (dev check, PREREGISTRATION.md change 8).
+EXTS = ("txt", "csv", "log", "json", "md", "py", "sh", "c")
 # Paths are fixed but for the input's extension: the 0.92M policy copies a one-digit field number (90%) or an
 # extension (94%) from the instruction into its command, and file names not at all (3% of 395 commands, chance:
 # measured on training tasks with names from a 28-word vocabulary), so names would only add noise to the test of
@@ -51,9 +54,12 @@ INPUT, OUTPUT = "/app/data", "/app/answer.txt"
 WORDS = ("alpha", "bravo", "cedar", "delta", "ember", "fjord", "gamma", "harbor", "indigo", "juniper", "kernel",
          "lumen", "maple", "nectar", "onyx", "pixel")
 COLOURS = ("red", "blue", "green", "amber", "teal", "violet")
-HEADER = ("name", "colour", "small", "large")
+# A record: a name, a colour and four numbers of different ranges (fields 3-6).
+HEADER = ("name", "colour", "qty", "price", "rank", "score")
+NUMBERS = ((1, 99), (100, 999), (1, 9), (10, 99))
 OPS = ("values", "distinct", "sum", "max", "count")
-FIELDS = {"values": (1, 2, 3, 4), "distinct": (1, 2), "sum": (3, 4), "max": (3, 4), "count": (None,)}
+FIELDS = {"values": (1, 2, 3, 4, 5, 6), "distinct": (1, 2, 3, 4, 5, 6), "sum": (3, 4, 5, 6), "max": (3, 4, 5, 6),
+          "count": (None,)}
 
 # Template slots: the sentence frame (intro, ask) has phrasings for training (SFT and RL data) and phrasings
 # reserved for the held-out split; {src} / {dst} are the input / output paths, {what} the op's key phrase.
@@ -71,11 +77,15 @@ ASK = {
 # learn what a paraphrase of it means (measured in the first pilot: 0% and 10% right ops on two held-out
 # paraphrases of "distinct values"), and that is not what this experiment asks. Held-out instructions are new
 # sentences (reserved frames, reserved (op, field, extension) cells), whose key phrases the policy knows.
+# The field is written as awk writes it ("field $3"): the command's `` $3`` then repeats tokens of the
+# instruction, which a small transformer copies (an induction head); after "field 3" it has to map `` 3`` to
+# ``$3``, and on new combinations the policy recalled a field seen with the rest of the instruction instead (43%
+# right; dev check, change 8).
 WHAT = {
-    "values": ("the values of field {k}, in file order", "field {k} of every record, in order"),
-    "distinct": ("the sorted distinct values of field {k}", "the distinct values of field {k}, sorted"),
-    "sum": ("the sum of field {k}", "the total of field {k}"),
-    "max": ("the largest value of field {k}", "the maximum of field {k}"),
+    "values": ("the values of field ${k}, in file order", "field ${k} of every record, in order"),
+    "distinct": ("the sorted distinct values of field ${k}", "the distinct values of field ${k}, sorted"),
+    "sum": ("the sum of field ${k}", "the total of field ${k}"),
+    "max": ("the largest value of field ${k}", "the maximum of field ${k}"),
     "count": ("the number of records", "how many records there are"),
 }
 REASON = {
@@ -100,7 +110,7 @@ class Spec:
     dst: str  # /app/answer.txt
     delim: str
     header: bool
-    records: tuple[tuple[str, str, int, int], ...]
+    records: tuple[tuple, ...]  # (name, colour, 4 numbers)
     template: tuple[str, str, str]  # the (intro, ask, what) phrasings it was written from
     instruction: str
 
@@ -127,31 +137,59 @@ class Spec:
 
 
 def cell_split(op: str, k: int | None, ext: str) -> str:
-    """An instruction's parameters (op, field, extension) belong to one split. Held-out: for each op but
-    ``count``, one extension per field, rotating, so that every (op, field) and every (op, extension) pair still
-    occurs in training and only their combination is new. (A hash split left e.g. no ``sum`` over a .txt file in
-    training, and the policy then took the extension for a cue of the op: 4 of 88 held-out sums right, pilot 2.)"""
-    if op == "count" or k is None:
+    """An instruction's parameters (op, field, extension) belong to one split: ``heldout``, or ``train`` (which
+    includes the ``dev`` cells: a held-out-style part of the training split, for choosing the SFT mix and model
+    without ever evaluating on held-out tasks; ``--dev`` in run.py leaves them out of SFT/RL data).
+
+    Held-out: (op, field, extension) with field k >= 3 and (k + op) = extension mod 4 (ops and extensions by
+    index); dev: (k + op + 1) = extension mod 4. So in training (even without the dev cells) every parameter of a
+    held-out cell takes >= 2 values given the other two (``shortcuts`` checks it): no part of a held-out
+    instruction is predictable from the rest of it as seen in training. (Pilot 3's rotation left e.g. every
+    training sum over a .dat file on field 4, and the policy then wrote $4 for held-out sums of field 3 on .dat
+    files: 100 of 293 commands on such cells took that shortcut.)"""
+    if op == "count" or k is None or k < 3:
         return "train"
-    i = FIELDS[op].index(k)
-    return "heldout" if EXTS.index(ext) == (i + OPS.index(op)) % len(EXTS) else "train"
+    r = (k + OPS.index(op) - EXTS.index(ext)) % len(EXTS)
+    return "heldout" if r == 0 else "dev" if r == len(EXTS) - 1 else "train"
 
 
 CELLS = {sp: [(op, k, ext) for op in OPS for k in FIELDS[op] for ext in EXTS if cell_split(op, k, ext) == sp]
-         for sp in ("train", "heldout")}
+         for sp in ("train", "dev", "heldout")}
 
 
-def draw(rng: random.Random, split: str) -> Spec:
-    op, k, ext = rng.choice(CELLS[split])
+def shortcuts(train: list[tuple], target: list[tuple]) -> int:
+    """How many ``target`` cells have a parameter that the ``train`` cells determine from the other two (the
+    train cells sharing the other two parameters show < 2 values of it): 0 = none can be guessed that way."""
+    bad = 0
+    for cell in target:
+        for i in range(3):
+            rest = [j for j in range(3) if j != i]
+            seen = {c[i] for c in train if all(c[j] == cell[j] for j in rest)}
+            bad += len(seen) < 2 and cell[0] != "count"
+    return bad
+
+
+def draw(rng: random.Random, split: str, cells: str | None = None) -> Spec:
+    """A task of ``split`` (its sentence frames) on a cell of ``cells`` (a ``CELLS`` key, default: the split's;
+    ``train_only`` = the training cells without the dev cells)."""
+    pool = [c for c in CELLS["train"] if c not in CELLS["dev"]] if cells == "train_only" else CELLS[cells or split]
+    op, k, ext = rng.choice(pool)
     src, dst = f"{INPUT}.{ext}", OUTPUT
     delim = DEFAULT_DELIM if rng.random() < 0.4 else rng.choice(DELIMS[1:])
     header = rng.random() < 0.5
     n = rng.randint(4, 8)
-    records = tuple((f"{rng.choice(WORDS)}{i}", rng.choice(COLOURS), rng.randint(1, 99), rng.randint(100, 999))
+    records = tuple((f"{rng.choice(WORDS)}{i}", rng.choice(COLOURS), *(rng.randint(a, b) for a, b in NUMBERS))
                     for i in range(n))
     template = (rng.choice(INTRO[split]), rng.choice(ASK[split]), rng.choice(WHAT[op]))
     text = template[0].format(src=src) + " " + template[1].format(what=template[2].format(k=k), dst=dst)
     return Spec(split, op, k, src, dst, delim, header, records, template, text[0].upper() + text[1:])
+
+
+def parse_record(fields: list[str]) -> tuple:
+    """A data-file line's fields back to a record (ValueError when it is not one)."""
+    if len(fields) != len(HEADER):
+        raise ValueError(f"a record has {len(HEADER)} fields, not {len(fields)}")
+    return (fields[0], fields[1], *map(int, fields[2:]))
 
 
 # ----------------------------------------------------------------------------------------- commands
@@ -259,18 +297,20 @@ def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
     return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
 
 
-def make_train(n: int, seed: int) -> list[Spec]:
+def make_train(n: int, seed: int, cells: str | None = None) -> list[Spec]:
     rng = random.Random(f"fields/train/{seed}")
-    return [draw(rng, "train") for _ in range(n)]
+    return [draw(rng, "train", cells) for _ in range(n)]
 
 
-def make_heldout(n: int, seed: int, seen: set[tuple[str, ...]]) -> list[Spec]:
-    """``n`` held-out specs, none sharing a word ``NGRAM``-gram with ``seen`` (the SFT/RL instructions')."""
-    rng = random.Random(f"fields/heldout/{seed}")
+def make_heldout(n: int, seed: int, seen: set[tuple[str, ...]], dev: bool = False) -> list[Spec]:
+    """``n`` held-out specs, none sharing a word ``NGRAM``-gram with ``seen`` (the SFT/RL instructions'). ``dev``:
+    tasks on the dev cells in training sentence frames instead (they share n-grams with training by design; what
+    they test is new parameter combinations), for the dev check of ``run.py --dev``."""
+    rng = random.Random(f"fields/{'dev' if dev else 'heldout'}/{seed}")
     out, ids = [], set()
     for _ in range(200 * n):
-        s = draw(rng, "heldout")
-        if not ngrams(s.instruction) & seen and task_id(s) not in ids:
+        s = draw(rng, "train", "dev") if dev else draw(rng, "heldout")
+        if (dev or not ngrams(s.instruction) & seen) and task_id(s) not in ids:
             out.append(s)
             ids.add(task_id(s))
             if len(out) == n:
@@ -296,6 +336,9 @@ def disjointness(heldout: list[Spec], training: dict[str, list[Spec]]) -> dict:
                     "combination": sum((s.template, s.op, s.k, s.src, s.dst) in combos for s in heldout),
                     "template": sum(s.template in templates for s in heldout),
                     "template_slot": sum(any(s.template[i] in slots[i] for i in range(2)) for s in heldout)}
-    out["all_zero"] = all(v[key] == 0 for v in out.values() if isinstance(v, dict)
+    cells = {(s.op, s.k, s.src.rsplit(".", 1)[1]) for specs in training.values() for s in specs}
+    out["shortcuts"] = shortcuts(list(cells), sorted({(s.op, s.k, s.src.rsplit(".", 1)[1]) for s in heldout},
+                                                     key=str))
+    out["all_zero"] = out["shortcuts"] == 0 and all(v[key] == 0 for v in out.values() if isinstance(v, dict)
                           for key in ("exact", "ngram", "parameters", "combination", "template", "template_slot"))
     return out

@@ -496,6 +496,16 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
             else:
                 ck.errors.append(f"disjointness: the json has no entry for {src}")
                 break
+    # no parameter of a held-out cell is determined by its other two in the training cells (its own loop)
+    cell = lambda s: (s.op, s.k, s.src.rsplit(".", 1)[-1])  # noqa: E731
+    seen = {cell(s) for src, v in specs.items() if src != "heldout" for s in v}
+    guessable = 0
+    for c in {cell(s) for s in held}:
+        for i in range(3):
+            others = {t[i] for t in seen if all(t[j] == c[j] for j in range(3) if j != i)}
+            guessable += c[0] != "count" and len(others) < 2
+    ck.same("disjointness shortcuts (must be 0)", guessable, 0, kind="disjointness")
+    ck.same("disjointness[shortcuts]", guessable, dj.get("shortcuts"), kind="disjointness")
     if len(norm) != len(held):
         ck.warnings.append(f"{len(held) - len(norm)} held-out instructions repeat (with other data files)")
     ids = {family.task_id(s): s for s in held}

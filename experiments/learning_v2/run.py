@@ -44,11 +44,14 @@ ARMS = {  # Hydra overrides of each arm (on top of the preset, whose algo is GRP
 }
 # The pre-registered scales. Full: 2 SFT seeds x 3 RL seeds x 4 arms, 200 held-out tasks x 4 samples at 5 points.
 SCALES = {
-    "full": dict(sft_seeds=[0, 1], rl_seeds=[0, 1, 2], arms=list(ARMS), n_sft=2000, look_frac=0.25, n_rl=256,
+    "full": dict(sft_seeds=[0, 1], rl_seeds=[0, 1, 2], arms=list(ARMS), n_sft=4000, look_frac=0.25, n_rl=256,
                  n_heldout=200, heldout_seed=0, steps=20, eval_every=4, gonogo_samples=8),
-    "pilot": dict(sft_seeds=[0], rl_seeds=[0], arms=list(ARMS), n_sft=2000, look_frac=0.25, n_rl=256,
+    "pilot": dict(sft_seeds=[0], rl_seeds=[0], arms=list(ARMS), n_sft=4000, look_frac=0.25, n_rl=256,
                   n_heldout=64, heldout_seed=1, steps=8, eval_every=4, gonogo_samples=8),
     # the pilot's held-out tasks are drawn with another seed: none of them is a task of the full run
+    "dev": dict(sft_seeds=[0], rl_seeds=[], arms=[], n_sft=4000, look_frac=0.25, n_rl=256, n_heldout=64,
+                heldout_seed=0, steps=0, eval_every=0, gonogo_samples=8, dev=True),
+    # the dev check: SFT without the dev cells, its go/no-go on dev-cell tasks (training split only)
 }
 SFT = ["sft.steps=600", "sft.lr=0.003", "sft.batch_size=16"]  # the SFT command's settings (not in the preset:
                                                                 # train and eval configs have no sft group)
@@ -85,13 +88,13 @@ def prepare(root: Path, sc: dict) -> dict:
     tok, _ = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
     return data.prepare(root / "data", sft_seeds=sc["sft_seeds"], n_sft=sc["n_sft"], look_frac=sc["look_frac"],
                         n_rl=sc["n_rl"], n_heldout=sc["n_heldout"], heldout_seed=sc["heldout_seed"], tokenizer=tok,
-                        agent_cfg=OmegaConf.to_object(cfg.agent))
+                        agent_cfg=OmegaConf.to_object(cfg.agent), dev=sc.get("dev", False))
 
 
-def sft(root: Path, seed: int) -> Path:
+def sft(root: Path, seed: int, extra: list[str]) -> Path:
     out = root / f"sft_{seed}"
     if not (out / "hf_final" / "config.json").exists():
-        sh([sys.executable, "-m", "jaxrl_term.sft", PRESET, *SFT, f"run_dir={out}", f"seed={seed}",
+        sh([sys.executable, "-m", "jaxrl_term.sft", PRESET, *SFT, *extra, f"run_dir={out}", f"seed={seed}",
             f"sft.source={root / 'data' / f'sft_{seed}.jsonl'}", *data_args(root)], root / "logs" / f"sft_{seed}.log")
     return out / "hf_final"
 
@@ -136,15 +139,23 @@ def train(root: Path, arm: str, sft_seed: int, rl_seed: int, sc: dict) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pilot", action="store_true", help="the small-scale pilot (results under ROOT/pilot)")
+    ap.add_argument("--dev", action="store_true",
+                    help="the dev check (training split only): SFT without the dev cells, go/no-go on dev-cell tasks "
+                         "(results under ROOT/dev); for choosing the SFT mix or model after a no-go")
+    ap.add_argument("--sft-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra Hydra overrides of the SFT command (e.g. model.num_hidden_layers=6 sft.steps=1200); "
+                         "recorded in settings.json")
     ap.add_argument("--root", default="runs/learning_v2")
     ap.add_argument("--jobs", type=int, default=2, help="train runs at once")
     ap.add_argument("--force", action="store_true", help="go on after a no-go (the result then says so)")
     ap.add_argument("--stage", choices=["data", "sft", "gonogo", "rl", "all"], default="all",
                     help="stop after this stage")
     args = ap.parse_args()
-    scale = "pilot" if args.pilot else "full"
-    sc = SCALES[scale]
-    root = (REPO / args.root / ("pilot" if args.pilot else "")).resolve()
+    if args.pilot and args.dev:
+        raise SystemExit("--pilot and --dev are different scales: give one")
+    scale = "pilot" if args.pilot else "dev" if args.dev else "full"
+    sc = {**SCALES[scale], **({"sft_set": args.sft_set} if args.sft_set else {})}
+    root = (REPO / args.root / ("" if scale == "full" else scale)).resolve()
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     command = "python experiments/learning_v2/run.py " + shlex.join(sys.argv[1:])
@@ -169,7 +180,7 @@ def main() -> None:
     if args.stage == "data":
         return
     for s in sc["sft_seeds"]:
-        stage(f"sft_{s}", sft, root, s)
+        stage(f"sft_{s}", sft, root, s, args.sft_set)
     if args.stage == "sft":
         return
     gates = [stage(f"gonogo_{s}", go_no_go, root, s, sc["gonogo_samples"]) for s in sc["sft_seeds"]]
@@ -177,10 +188,10 @@ def main() -> None:
     for g in gates:
         print(f"go/no-go, SFT seed {g['sft_seed']}: pass@1 {g['pass@1']:.3f}, pass@{g['samples']} - pass@1 "
               f"{g['pass@k_minus_pass@1']:.3f}, mixed tasks {g['mixed_frac']:.2f}: {g['verdict']}", flush=True)
-    if any(g["verdict"] != "go" for g in gates) and not args.force:
+    if any(g["verdict"] != "go" for g in gates) and not (args.force or args.dev):
         raise SystemExit("no-go: change the SFT mix on the training split (look_frac, n_sft, SFT steps), never the "
                          "held-out set; --force runs the arms anyway")
-    if args.stage == "gonogo":
+    if args.stage == "gonogo" or args.dev:
         return
     jobs = [(a, s, r) for s in sc["sft_seeds"] for r in sc["rl_seeds"] for a in sc["arms"]]
     t_rl = time.monotonic()
