@@ -79,7 +79,7 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
                              "tokens_max": max(len(t.token_ids) for t in trajs)}
     training = {k: v for k, v in specs.items() if k != "heldout"}
     check = family.disjointness(heldout, training)
-    if not check["all_zero"] and not (dev and check["shortcuts"] == 0):
+    if not check["all_zero"]:
         raise RuntimeError(f"held-out tasks overlap the training data: {check}")
     save_parquet([family.to_task(s) for s in rl_specs], root / "train.parquet")
     save_parquet([family.to_task(s) for s in heldout], root / "heldout.parquet")
@@ -95,12 +95,11 @@ def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n
              heldout_seed: int = 0, dev: bool = False) -> tuple[dict[str, list], dict[int, list[bool]]]:
     """Every task spec of the experiment, deterministic in its arguments: {"sft_<seed>": .., "rl": ..,
     "heldout": ..} and, per SFT seed, which demonstrations look first. ``dev``: see ``prepare``."""
-    cells = "train_only" if dev else None
-    specs: dict[str, list] = {"rl": family.make_train(n_rl, 10_000, cells)}
+    specs: dict[str, list] = {"rl": family.make_train(n_rl, 10_000, dev)}
     looks: dict[int, list[bool]] = {}
     for seed in sft_seeds:
         rng = random.Random(f"learning_v2/sft/{seed}")
-        pool = family.make_train(8 * n_sft, seed, cells)
+        pool = family.make_train(8 * n_sft, seed, dev)
         looks[seed] = [rng.random() < look_frac for _ in range(n_sft)]
         ok_iter, any_iter = iter([s for s in pool if s.default_ok]), iter(pool[::-1])
         specs[f"sft_{seed}"] = [next(any_iter) if look else next(ok_iter) for look in looks[seed]]

@@ -61,16 +61,26 @@ OPS = ("values", "distinct", "sum", "max", "count")
 FIELDS = {"values": (1, 2, 3, 4, 5, 6), "distinct": (1, 2, 3, 4, 5, 6), "sum": (3, 4, 5, 6), "max": (3, 4, 5, 6),
           "count": (None,)}
 
-# Template slots: the sentence frame (intro, ask) has phrasings for training (SFT and RL data) and phrasings
-# reserved for the held-out split; {src} / {dst} are the input / output paths, {what} the op's key phrase.
+# Template slots: the sentence frame (intro, ask) has phrasings for training (SFT and RL data), some of them
+# "dev" (training phrasings that the dev check of ``run.py --dev`` holds out, as it holds out the dev cells), and
+# phrasings reserved for the held-out split; {src} / {dst} are the input / output paths, {what} the op's key
+# phrase. Training phrasings put the key phrase before and after the output path, as held-out ones do: with four
+# intros and three asks, all key phrase first, the SFT policy chose the right op for 20% of held-out commands
+# (pilot 4), against 94% in training frames.
 INTRO = {
     "train": ("The file {src} holds one record per line.", "Each line of {src} is a record.",
-              "{src} contains records, one per line.", "There are records in {src}, one on each line."),
+              "{src} contains records, one per line.", "There are records in {src}, one on each line.",
+              "In {src} every line is one record.", "The records are in {src}, a line each.",
+              "{src} lists records, each on its own line.", "One record per line is what {src} has."),
+    "dev": ("You will find records in {src}, one line apiece.", "The data file {src} keeps a record on every line."),
     "heldout": ("Records are stored line by line in {src}.", "You are given {src}, a file with a record per line.",
                 "Look up the records of {src}; a line holds one of them."),
 }
 ASK = {
-    "train": ("Write {what} to {dst}.", "Save {what} in {dst}.", "Put {what} into {dst}."),
+    "train": ("Write {what} to {dst}.", "Save {what} in {dst}.", "Put {what} into {dst}.",
+              "Compute {what} and write it to {dst}.", "Into {dst}, write {what}.", "Fill {dst} with {what}.",
+              "Make {dst} contain {what}.", "{dst} should hold {what}."),
+    "dev": ("Produce {dst} with {what} in it.", "Output {what} to {dst}."),
     "heldout": ("Store {what} as {dst}.", "Create {dst} holding {what}.", "Report {what} by writing it to {dst}."),
 }
 # The op's key phrase is shared by both splits: a 0.92M model trained from scratch on these templates cannot
@@ -154,7 +164,7 @@ def cell_split(op: str, k: int | None, ext: str) -> str:
 
 
 CELLS = {sp: [(op, k, ext) for op in OPS for k in FIELDS[op] for ext in EXTS if cell_split(op, k, ext) == sp]
-         for sp in ("train", "dev", "heldout")}
+         for sp in ("train", "dev", "heldout")}  # "train": without the dev cells
 
 
 def shortcuts(train: list[tuple], target: list[tuple]) -> int:
@@ -169,10 +179,18 @@ def shortcuts(train: list[tuple], target: list[tuple]) -> int:
     return bad
 
 
-def draw(rng: random.Random, split: str, cells: str | None = None) -> Spec:
-    """A task of ``split`` (its sentence frames) on a cell of ``cells`` (a ``CELLS`` key, default: the split's;
-    ``train_only`` = the training cells without the dev cells)."""
-    pool = [c for c in CELLS["train"] if c not in CELLS["dev"]] if cells == "train_only" else CELLS[cells or split]
+def draw(rng: random.Random, split: str) -> Spec:
+    """A task of ``split``: ``train`` (training cells and phrasings, dev ones included), ``train_only`` (without
+    the dev cells and phrasings: the dev check's training data), ``dev`` or ``heldout``."""
+    if split == "train_only":
+        pool, frames = CELLS["train"], "train"
+    elif split == "train":
+        pool, frames = CELLS["train"] + CELLS["dev"], "train"
+    else:
+        pool, frames = CELLS[split], split
+    intros, asks = INTRO[frames], ASK[frames]
+    if split == "train":
+        intros, asks = intros + INTRO["dev"], asks + ASK["dev"]
     op, k, ext = rng.choice(pool)
     src, dst = f"{INPUT}.{ext}", OUTPUT
     delim = DEFAULT_DELIM if rng.random() < 0.4 else rng.choice(DELIMS[1:])
@@ -180,7 +198,7 @@ def draw(rng: random.Random, split: str, cells: str | None = None) -> Spec:
     n = rng.randint(4, 8)
     records = tuple((f"{rng.choice(WORDS)}{i}", rng.choice(COLOURS), *(rng.randint(a, b) for a, b in NUMBERS))
                     for i in range(n))
-    template = (rng.choice(INTRO[split]), rng.choice(ASK[split]), rng.choice(WHAT[op]))
+    template = (rng.choice(intros), rng.choice(asks), rng.choice(WHAT[op]))
     text = template[0].format(src=src) + " " + template[1].format(what=template[2].format(k=k), dst=dst)
     return Spec(split, op, k, src, dst, delim, header, records, template, text[0].upper() + text[1:])
 
@@ -297,20 +315,20 @@ def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
     return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
 
 
-def make_train(n: int, seed: int, cells: str | None = None) -> list[Spec]:
+def make_train(n: int, seed: int, dev: bool = False) -> list[Spec]:
+    """``n`` training specs; ``dev``: without the dev cells and phrasings (the dev check's training data)."""
     rng = random.Random(f"fields/train/{seed}")
-    return [draw(rng, "train", cells) for _ in range(n)]
+    return [draw(rng, "train_only" if dev else "train") for _ in range(n)]
 
 
 def make_heldout(n: int, seed: int, seen: set[tuple[str, ...]], dev: bool = False) -> list[Spec]:
     """``n`` held-out specs, none sharing a word ``NGRAM``-gram with ``seen`` (the SFT/RL instructions'). ``dev``:
-    tasks on the dev cells in training sentence frames instead (they share n-grams with training by design; what
-    they test is new parameter combinations), for the dev check of ``run.py --dev``."""
+    tasks on the dev cells and phrasings instead, for the dev check of ``run.py --dev``."""
     rng = random.Random(f"fields/{'dev' if dev else 'heldout'}/{seed}")
     out, ids = [], set()
     for _ in range(200 * n):
-        s = draw(rng, "train", "dev") if dev else draw(rng, "heldout")
-        if (dev or not ngrams(s.instruction) & seen) and task_id(s) not in ids:
+        s = draw(rng, "dev" if dev else "heldout")
+        if not ngrams(s.instruction) & seen and task_id(s) not in ids:
             out.append(s)
             ids.add(task_id(s))
             if len(out) == n:
