@@ -317,3 +317,25 @@ def test_cli_matches_main(synthetic, tmp_path, monkeypatch):
     assert a.pop("command") == "pytest" and b.pop("command") == "cli"
     assert a == b
     assert recheck.main(["--results", str(tmp_path)]) == 0
+
+
+def test_params_diagnostic_reads_field_file_and_op_from_the_command():
+    params = _load("params")
+    rng = random.Random(3)
+    for _ in range(40):
+        spec = family.draw(rng, "heldout")
+        meta = {"op": spec.op, "k": spec.k, "src": spec.src, "dst": spec.dst}
+
+        def tr(*cmds):
+            return {"turns": [{"actions": [{"tool": "bash", "args": {"cmd": c}}]} for c in cmds]}
+
+        right = family.command(spec, spec.delim, spec.header)
+        want = {"file": True, "op": True, **({"field": True} if spec.op != "count" else {})}
+        assert params.check(tr(f"head -n 3 {spec.src}", right), meta) == want, right
+        other = "/app/data.md" if not spec.src.endswith(".md") else "/app/data.txt"
+        wrong = right.replace(spec.src, other)
+        if spec.op != "count":
+            wrong = wrong.replace(f"${spec.k}", f"${spec.k % 6 + 1}")
+        got = params.check(tr(wrong), meta)
+        assert not got["file"] and got["op"] and not got.get("field", False), wrong
+        assert params.check(tr(f"cat {spec.src}"), meta) is None  # no command that writes or runs awk
