@@ -33,8 +33,8 @@ def _load(name: str):
 
 
 analyze, recheck, run = _load("analyze"), _load("recheck"), _load("run")
-SETTINGS = {"sft_seeds": [0, 1], "rl_seeds": [0, 1], "arms": ["grpo", "rft", "placebo"], "n_sft": 1500, "look_frac": 0.25,
-            "n_rl": 10, "n_heldout": 12, "steps": 8, "eval_every": 4, "gonogo_samples": 8}
+SETTINGS = {"sft_seeds": [0, 1], "rl_seeds": [0, 1], "arms": ["grpo", "rft", "placebo"], "n_sft": 1500,
+            "look_frac": 0.25, "n_rl": 10, "n_heldout": 12, "steps": 8, "eval_every": 4, "gonogo_samples": 8}
 P_LOOK = {"sft": 0.3, "grpo": 0.8, "rft": 0.5, "placebo": 0.3}
 
 
