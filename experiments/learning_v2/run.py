@@ -18,7 +18,9 @@ experiments/results/learning_v2.md, end to end and resumable:
 
 Every stage skips what is finished; a killed train run resumes from its checkpoint (``trainer.resume=auto``), a
 killed evaluation re-runs only unfinished attempts. ``--pilot`` is the same pipeline at a small scale under
-``ROOT/pilot`` (results there, never in experiments/results).
+``ROOT/pilot`` (results there, never in experiments/results). ``--dev`` is the dev check under ``ROOT/dev``:
+SFT without the dev cells and phrasings, then the go/no-go numbers on tasks built from them (``family.cell_split``):
+a held-out construction inside the training split, for choosing the SFT mix or model without held-out tasks.
 """
 
 from __future__ import annotations
