@@ -339,3 +339,4 @@ def test_params_diagnostic_reads_field_file_and_op_from_the_command():
         got = params.check(tr(wrong), meta)
         assert not got["file"] and got["op"] and not got.get("field", False), wrong
         assert params.check(tr(f"cat {spec.src}"), meta) is None  # no command that writes or runs awk
+    assert params.op_of("awk -F';' 'NR>1 {print $3}' /app/data.txt > /app/answer.txt") == "values"

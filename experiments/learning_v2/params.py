@@ -10,7 +10,7 @@ the task's output path, else the last awk command, and:
   (ops other than ``count``);
 - ``file``: a shell word of the command is the data file (``names_file`` of analyze.py without the globs and the
   other-extension stems: the exact name, as ``/app/data.EXT``, ``./data.EXT`` or ``data.EXT``);
-- ``op``: the command's shape is the op's as the teacher writes it (``family.command``): ``n++``/``NR``/``wc -l``
+- ``op``: the command's shape is the op's as the teacher writes it (``family.command``): ``n++``/``print NR``/``wc -l``
   = count, ``+=`` = sum, ``sort -n`` and ``tail`` = max, ``sort -u``/``uniq`` = distinct, else values.
 
 Attempts with no such command count as wrong on every parameter (``no_command``).
@@ -32,7 +32,7 @@ from analyze import commands, episodes, is_write, shell_words  # noqa: E402
 
 
 def op_of(cmd: str) -> str:
-    if re.search(r"n\+\+|\bNR\b|wc\s+-l", cmd):
+    if re.search(r"n\+\+|wc\s+-l|print\s+NR\b", cmd):  # NR>1 alone skips a header: not a count
         return "count"
     if "+=" in cmd:
         return "sum"
