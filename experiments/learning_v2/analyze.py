@@ -715,8 +715,8 @@ def nearest(instructions: dict[str, list[str]]) -> dict:
     normalised edit distance, and its longest run of words shared with any training instruction (the module
     docstring)."""
     held = sorted(set(instructions.get("heldout") or ()))
-    train = sorted({t for k, v in instructions.items() if k != "heldout" for t in v})
-    if not held or not train:
+    train = sorted({t for k, v in instructions.items() if k not in ("heldout", "dev") for t in v})  # dev: never
+    if not held or not train:                                                                       # trained on
         return {"available": False, "reason": "no held-out or no training instructions in instructions.json"}
     tw = [family.words(t) for t in train]
     tg = [set(zip(w, w[1:], w[2:])) for w in tw]
@@ -931,6 +931,15 @@ def markdown(out: dict, root: Path | str = "ROOT", results: Path | str = "DIR") 
                  f"{_f(gt.get(f'pass@{k}'))} | {_f(gt.get('pass@k_minus_pass@1'))} | {_f(gt.get('mixed_frac'), 2)} | "
                  f"{gt.get('verdict')} |")
     L += ["", f"Overall: **{out['go_no_go']['verdict']}**.", ""]
+    sel = out.get("sft_selection") or {}
+    if sel.get("tried"):
+        L += ["## SFT seeds, chosen on the dev tasks (the validation split, before any held-out evaluation)", "",
+              f"Rule: {sel['rule']}. Chosen: {sel['chosen']}. Every seed tried:", "",
+              "| SFT seed | dev tasks | pass@1 | pass@k - pass@1 | mixed tasks | verdict |",
+              "|---|---|---|---|---|---|"]
+        L += [f"| {g['sft_seed']} | {g['tasks']} | {_f(g['pass@1'])} | {_f(g['pass@k_minus_pass@1'])} | "
+              f"{_f(g['mixed_frac'], 2)} | {g['verdict']} |" for g in sel["tried"]]
+        L.append("")
     dj = out["disjointness"]
     keys = ("instructions", "exact", "ngram", "parameters", "combination", "template", "template_slot")
     L += ["## Disjointness of the held-out tasks", "",
@@ -1053,6 +1062,10 @@ def main(root: Path, results: Path, *, command: str, scale: str, settings: dict,
     from jaxrl_term.tasks.formats import load_tasks
 
     root, results = Path(root), Path(results)
+    sel = root / "sft_selection.json"
+    selection = json.loads(sel.read_text()) if sel.is_file() else None
+    if selection and "sft_candidates" not in settings:  # the three-way split: the runs are the chosen seeds'
+        settings = {**settings, "sft_candidates": settings["sft_seeds"], "sft_seeds": selection["chosen"]}
     tasks = {t.id: t for t in load_tasks(str(root / "data" / "heldout.parquet"))}
     specs = {tid: rebuild(t) for tid, t in tasks.items()}
     rows, left_out, complete = collect(root, tasks, specs)
@@ -1065,7 +1078,9 @@ def main(root: Path, results: Path, *, command: str, scale: str, settings: dict,
     near = (nearest(json.loads(instr.read_text())) if instr.is_file()
             else {"available": False, "reason": f"no {instr.name} in ROOT/data"})
     out = {"experiment": "learning_v2", "scale": scale, "command": command, "settings": settings,
-           "go_no_go": go_no_go(gates), "disjointness": data_info.get("disjointness", {}),
+           "go_no_go": go_no_go(gates), "sft_selection": selection or {"used": False},
+           "disjointness": data_info.get("disjointness", {}),
+           "dev_disjointness": data_info.get("dev_disjointness", {"used": False}),
            "disjointness_nearest": near, **s,
            "bootstrap": {"resamples": BOOT, "band_resamples": BAND_BOOT, "level": 0.95, "ci95": {
                "seed": BOOT_SEED, "unit": "task (runs pooled)"}, "ci95_runs_tasks": {

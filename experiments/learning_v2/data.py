@@ -48,7 +48,7 @@ async def episodes(specs, looks, tokenizer, agent_cfg) -> list:
 
 
 def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,
-            heldout_seed: int, tokenizer, agent_cfg, dev: bool = False) -> dict:
+            heldout_seed: int, tokenizer, agent_cfg, dev: bool = False, n_dev: int = 0) -> dict:
     """Write ``root``/{train.parquet, heldout.parquet, sft_<seed>.jsonl, data.json}; return data.json's content.
 
     SFT demonstrations (one set per SFT seed): the teacher looks first in ``look_frac`` of them (on any task);
@@ -57,6 +57,7 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     the same for every run. Held-out tasks: one set for every run, avoiding every SFT/RL instruction's word
     n-grams; the experiment refuses to go on unless every overlap count is 0. ``dev``: the dev check instead
     (SFT/RL data without the dev cells, "held-out" = tasks on the dev cells; see ``family.cell_split``).
+    ``n_dev``: the three-way split (``generate``), the dev tasks in ``dev.parquet``.
     """
     from jaxrl_term.tasks.formats import save_parquet
 
@@ -65,7 +66,7 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
         return json.loads(done.read_text())
     root.mkdir(parents=True, exist_ok=True)
     specs, looks = generate(sft_seeds=sft_seeds, n_sft=n_sft, look_frac=look_frac, n_rl=n_rl, n_heldout=n_heldout,
-                            heldout_seed=heldout_seed, dev=dev)
+                            heldout_seed=heldout_seed, dev=dev, n_dev=n_dev)
     rl_specs, heldout = specs["rl"], specs["heldout"]
     info: dict = {"sft": {}, "rl_tasks": len(rl_specs), "rl_default_ok": sum(s.default_ok for s in rl_specs)}
     for seed in sft_seeds:
@@ -77,7 +78,7 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
         tmp.replace(root / f"sft_{seed}.jsonl")
         info["sft"][seed] = {"demonstrations": len(trajs), "look": sum(looks[seed]),
                              "tokens_max": max(len(t.token_ids) for t in trajs)}
-    training = {k: v for k, v in specs.items() if k != "heldout"}
+    training = {k: v for k, v in specs.items() if k not in ("heldout", "dev")}
     check = family.disjointness(heldout, training)
     if not check["all_zero"]:
         raise RuntimeError(f"held-out tasks overlap the training data: {check}")
@@ -86,23 +87,34 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     info.update({"heldout_tasks": len(heldout), "heldout_default_ok": sum(s.default_ok for s in heldout),
                  "heldout_grades": {g: sum(s.grade == g for s in heldout) for g in range(3)},
                  "disjointness": check})
+    if "dev" in specs:  # the validation split: disjoint from SFT/RL data by the same checks
+        info["dev_disjointness"] = family.disjointness(specs["dev"], training)
+        if not info["dev_disjointness"]["all_zero"]:
+            raise RuntimeError(f"dev tasks overlap the training data: {info['dev_disjointness']}")
+        save_parquet([family.to_task(s) for s in specs["dev"]], root / "dev.parquet")
+        info["dev_tasks"] = len(specs["dev"])
     (root / "instructions.json").write_text(json.dumps({k: [s.instruction for s in v] for k, v in specs.items()}))
     done.write_text(json.dumps(info, indent=1))
     return info
 
 
 def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,
-             heldout_seed: int = 0, dev: bool = False) -> tuple[dict[str, list], dict[int, list[bool]]]:
+             heldout_seed: int = 0, dev: bool = False, n_dev: int = 0) -> tuple[dict[str, list], dict[int, list[bool]]]:
     """Every task spec of the experiment, deterministic in its arguments: {"sft_<seed>": .., "rl": ..,
-    "heldout": ..} and, per SFT seed, which demonstrations look first. ``dev``: see ``prepare``."""
-    specs: dict[str, list] = {"rl": family.make_train(n_rl, 10_000, dev)}
+    "heldout": .., "dev": .. (with ``n_dev``)} and, per SFT seed, which demonstrations look first. ``dev``: see
+    ``prepare``. ``n_dev``: the three-way split: SFT/RL data without the dev cells and phrasings, held-out tasks,
+    and ``n_dev`` tasks on the dev cells and phrasings (the validation split that chooses SFT seeds)."""
+    train_only = dev or n_dev > 0
+    specs: dict[str, list] = {"rl": family.make_train(n_rl, 10_000, train_only)}
     looks: dict[int, list[bool]] = {}
     for seed in sft_seeds:
         rng = random.Random(f"learning_v2/sft/{seed}")
-        pool = family.make_train(8 * n_sft, seed, dev)
+        pool = family.make_train(8 * n_sft, seed, train_only)
         looks[seed] = [rng.random() < look_frac for _ in range(n_sft)]
         ok_iter, any_iter = iter([s for s in pool if s.default_ok]), iter(pool[::-1])
         specs[f"sft_{seed}"] = [next(any_iter) if look else next(ok_iter) for look in looks[seed]]
     seen = set().union(*(family.ngrams(s.instruction) for v in specs.values() for s in v))
     specs["heldout"] = family.make_heldout(n_heldout, heldout_seed, seen, dev=dev)
+    if n_dev:
+        specs["dev"] = family.make_heldout(n_dev, heldout_seed, seen, dev=True)
     return specs, looks

@@ -469,7 +469,12 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
     if any(k not in st for k in keys):
         ck.errors.append(f"the json's settings lack {[k for k in keys if k not in st]}: cannot regenerate the tasks")
         return ""
-    specs, _ = data.generate(**{k: st[k] for k in keys}, heldout_seed=st.get("heldout_seed", 0))
+    # every SFT seed's data (the candidates, chosen on the dev tasks or not) is in the 8-gram filter's input
+    gen = {**{k: st[k] for k in keys}, "sft_seeds": st.get("sft_candidates", st["sft_seeds"])}
+    specs, _ = data.generate(**gen, heldout_seed=st.get("heldout_seed", 0), n_dev=st.get("n_dev", 0))
+    dev = specs.pop("dev", None)  # the validation split: never trained on; checked like the held-out tasks below
+    if dev is not None:
+        check_dev(ck, res, dev, specs)
     held = specs["heldout"]
     n = family.NGRAM
     dj = res.get("disjointness") or {}
@@ -518,6 +523,40 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
     ck.same("attempts whose instruction differs from the generated task's", bad, 0, kind="disjointness")
     check_nearest(ck, res.get("disjointness_nearest") or {}, specs)
     return f"{len(held)} held-out tasks vs " + ", ".join(f"{k} {len(v)}" for k, v in specs.items() if k != "heldout")
+
+
+def check_dev(ck: Checker, res: dict, dev: list, specs: dict) -> None:
+    """The three-way split: the dev tasks share no instruction, word n-gram or sentence frame with SFT/RL data
+    (own loop), and the SFT seeds are those the selection rule picks from the dev checks' numbers."""
+    n, dj = family.NGRAM, res.get("dev_disjointness") or {}
+    ck.same("dev tasks generated", len(dev), res["settings"]["n_dev"], kind="dev split")
+    for src, v in specs.items():
+        if src == "heldout":
+            continue
+        tnorm = {" ".join(tokens(s.instruction)) for s in v}
+        tg = set().union(*(grams(s.instruction, n) for s in v))
+        slots = [{s.template[i] for s in v} for i in range(2)]
+        got = {"exact": sum(" ".join(tokens(s.instruction)) in tnorm for s in dev),
+               "ngram": sum(bool(grams(s.instruction, n) & tg) for s in dev),
+               "template_slot": sum(any(s.template[i] in slots[i] for i in range(2)) for s in dev)}
+        for what, x in got.items():
+            ck.same(f"dev disjointness {src} {what} (must be 0)", x, 0, kind="dev split")
+            ck.same(f"dev_disjointness[{src}][{what}]", x, (dj.get(src) or {}).get(what), kind="dev split")
+    sel = res.get("sft_selection") or {}
+    keep, chosen = sel.get("keep"), []
+    for g in sel.get("tried", []):
+        cr = g["criteria"]
+        go = (cr["pass1_min"] <= g["pass@1"] <= cr["pass1_max"] and g["pass@k_minus_pass@1"] >= cr[
+            "pass8_minus_pass1_min"] and g["mixed_frac"] >= cr["mixed_frac_min"])
+        ck.same(f"dev check of SFT seed {g['sft_seed']}: verdict", "go" if go else "no-go", g["verdict"],
+                kind="dev split")
+        chosen += [g["sft_seed"]] if go else []
+    cands = res["settings"].get("sft_candidates", [])
+    ck.same("SFT seeds tried (in order, from the first)", [g["sft_seed"] for g in sel.get("tried", [])],
+            cands[: len(sel.get("tried", []))], kind="dev split")
+    ck.same("SFT seeds chosen: the first that pass", chosen[:keep], sel.get("chosen"), kind="dev split")
+    ck.same("SFT seeds of the runs = the chosen ones", sel.get("chosen"), res["settings"].get("sft_seeds"),
+            kind="dev split")
 
 
 def levenshtein(a: str, b: str) -> int:

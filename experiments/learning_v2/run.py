@@ -6,7 +6,8 @@ experiments/results/learning_v2.md, end to end and resumable:
 1. data (``data.prepare``): RL training tasks, held-out tasks (disjoint by construction and checked: exact
    instructions, word n-grams, (op, field, extension) cells, templates: all 0 or the run stops), and per
    SFT seed template demonstrations in which the teacher mostly assumes the default file format;
-2. SFT per SFT seed (``jaxrl_term.sft``);
+2. SFT per SFT seed (``jaxrl_term.sft``); at the full scale (the three-way split, change 12), SFT seeds are tried
+   in order, each checked on the dev tasks with the go/no-go criteria, until 2 pass (``select_sft``);
 3. go/no-go, before any RL: the SFT policy on the held-out tasks x 8 samples (``jaxrl_term.eval``): pass@1 in
    [0.2, 0.6], pass@8 - pass@1 >= 0.2, >= 40% of tasks with a success rate strictly between 0 and 1, else the run
    stops (change the SFT mix on the training split, never the held-out set). This evaluation is also the SFT arm
@@ -46,8 +47,11 @@ ARMS = {  # Hydra overrides of each arm (on top of the preset, whose algo is GRP
 }
 # The pre-registered scales. Full: 2 SFT seeds x 3 RL seeds x 4 arms, 200 held-out tasks x 4 samples at 5 points.
 SCALES = {
-    "full": dict(sft_seeds=[0, 1], rl_seeds=[0, 1, 2], arms=list(ARMS), n_sft=4000, look_frac=0.25, n_rl=256,
-                 n_heldout=200, heldout_seed=0, steps=20, eval_every=4, gonogo_samples=8),
+    "full": dict(sft_seeds=[0, 1, 2, 3, 4, 5], sft_keep=2, n_dev=64, rl_seeds=[0, 1, 2], arms=list(ARMS), n_sft=4000,
+                 look_frac=0.25, n_rl=256, n_heldout=200, heldout_seed=2, steps=20, eval_every=4, gonogo_samples=8),
+    # change 12 of PREREGISTRATION.md: the three-way split (SFT/RL data without the dev cells and phrasings; 64 dev
+    # tasks validate SFT seeds): SFT seeds are tried in order and the first ``sft_keep`` that pass the go/no-go
+    # criteria on the dev tasks are the experiment's; held-out seed 2 (0 was the first full run's, 1 the pilots')
     "pilot": dict(sft_seeds=[0], rl_seeds=[0], arms=list(ARMS), n_sft=4000, look_frac=0.25, n_rl=256,
                   n_heldout=64, heldout_seed=1, steps=8, eval_every=4, gonogo_samples=8),
     # the pilot's held-out tasks are drawn with another seed: none of them is a task of the full run
@@ -67,6 +71,11 @@ def sh(cmd: list[str], log: Path) -> None:
         rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc:
         raise SystemExit(f"failed (exit {rc}): {shlex.join(cmd)}; its output: {log}")
+
+
+def sft_keep(sc: dict) -> int:
+    """How many SFT seeds the experiment uses: ``sft_keep`` chosen on the dev tasks, else every one listed."""
+    return sc.get("sft_keep", len(sc["sft_seeds"]))
 
 
 def data_args(root: Path) -> list[str]:
@@ -90,7 +99,7 @@ def prepare(root: Path, sc: dict) -> dict:
     tok, _ = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
     return data.prepare(root / "data", sft_seeds=sc["sft_seeds"], n_sft=sc["n_sft"], look_frac=sc["look_frac"],
                         n_rl=sc["n_rl"], n_heldout=sc["n_heldout"], heldout_seed=sc["heldout_seed"], tokenizer=tok,
-                        agent_cfg=OmegaConf.to_object(cfg.agent), dev=sc.get("dev", False))
+                        agent_cfg=OmegaConf.to_object(cfg.agent), dev=sc.get("dev", False), n_dev=sc.get("n_dev", 0))
 
 
 def sft(root: Path, seed: int, extra: list[str]) -> Path:
@@ -101,15 +110,16 @@ def sft(root: Path, seed: int, extra: list[str]) -> Path:
     return out / "hf_final"
 
 
-def go_no_go(root: Path, seed: int, samples: int) -> dict:
-    """The SFT policy on the held-out tasks x ``samples``: the three pre-registered numbers and the verdict."""
-    out = root / f"sft_{seed}_eval"
+def go_no_go(root: Path, seed: int, samples: int, split: str = "heldout") -> dict:
+    """The SFT policy on the ``split`` tasks (held-out, or dev: the validation split) x ``samples``: the three
+    pre-registered numbers and the verdict."""
+    out = root / (f"sft_{seed}_eval" if split == "heldout" else f"sft_{seed}_{split}")
     if not (out / "summary.json").exists():
-        d = root / "data"
+        tasks = root / "data" / f"{split}.parquet"
         sh([sys.executable, "-m", "jaxrl_term.eval", PRESET, "policy=checkpoint",
-            f"policy.path={root / f'sft_{seed}' / 'hf_final'}", f"data.source={d / 'heldout.parquet'}",
-            f"eval.data.source={d / 'heldout.parquet'}", f"eval.attempts={samples}", f"eval.seed={seed}",
-            f"run_dir={out}", "eval.concurrency=32"], root / "logs" / f"sft_{seed}_eval.log")
+            f"policy.path={root / f'sft_{seed}' / 'hf_final'}", f"data.source={tasks}",
+            f"eval.data.source={tasks}", f"eval.attempts={samples}", f"eval.seed={seed}",
+            f"run_dir={out}", "eval.concurrency=32"], root / "logs" / f"{out.name}.log")
     rows = [json.loads(x) for x in (out / "attempts.jsonl").read_text().splitlines() if x.strip()]
     by: dict[str, list[bool]] = {}
     for r in rows:
@@ -121,7 +131,7 @@ def go_no_go(root: Path, seed: int, samples: int) -> dict:
     mixed = sum(0 < p < 1 for p in rates) / len(rates)
     verdict = (GO["pass1_min"] <= pass1 <= GO["pass1_max"] and pass8 - pass1 >= GO["pass8_minus_pass1_min"]
                and mixed >= GO["mixed_frac_min"])
-    return {"sft_seed": seed, "tasks": len(by), "tasks_with_all_samples": len(full), "samples": samples,
+    return {"sft_seed": seed, "split": split, "tasks": len(by), "tasks_with_all_samples": len(full), "samples": samples,
             "pass@1": pass1, f"pass@{samples}": pass8,
             "pass@k_minus_pass@1": pass8 - pass1, "mixed_frac": mixed, "criteria": GO,
             "verdict": "go" if verdict else "no-go"}
@@ -136,6 +146,31 @@ def train(root: Path, arm: str, sft_seed: int, rl_seed: int, sc: dict) -> Path:
         f"trainer.steps={sc['steps']}", f"trainer.eval_every={sc['eval_every']}", "trainer.eval_before_train=false",
         "trainer.resume=auto"], root / "logs" / f"{out.name}.log")
     return out
+
+
+def select_sft(root: Path, sc: dict, sft_set: list[str], stage) -> list[int]:
+    """The three-way split's SFT seeds: each of ``sft_seeds`` in order is fine-tuned and checked on the dev tasks
+    (the go/no-go criteria, ``gonogo_samples`` each) until ``sft_keep`` have passed; those are the experiment's.
+    Every seed tried is reported (ROOT/sft_selection.json, then learning_v2.json). The held-out tasks play no
+    part: they are evaluated only afterwards, on the chosen seeds (the pre-registered go/no-go)."""
+    keep, tried, chosen = sft_keep(sc), [], []
+    for s in sc["sft_seeds"]:
+        if len(chosen) == keep:
+            break
+        stage(f"sft_{s}", sft, root, s, sft_set)
+        g = stage(f"dev_{s}", go_no_go, root, s, sc["gonogo_samples"], "dev")
+        tried.append(g)
+        print(f"dev check, SFT seed {s}: pass@1 {g['pass@1']:.3f}, pass@{g['samples']} - pass@1 "
+              f"{g['pass@k_minus_pass@1']:.3f}, mixed tasks {g['mixed_frac']:.2f}: {g['verdict']}", flush=True)
+        if g["verdict"] == "go":
+            chosen.append(s)
+    (root / "sft_selection.json").write_text(json.dumps(
+        {"rule": f"the first {keep} of sft_seeds {sc['sft_seeds']} whose dev check is go", "keep": keep,
+         "tried": tried, "chosen": chosen}, indent=1))
+    if len(chosen) < keep:
+        raise SystemExit(f"only {len(chosen)} of the {len(tried)} SFT seeds tried pass the dev check "
+                         f"({root / 'sft_selection.json'}): change the SFT recipe on the training split")
+    return chosen
 
 
 def main() -> None:
@@ -181,11 +216,13 @@ def main() -> None:
           f"{info['disjointness']['all_zero']}", flush=True)
     if args.stage == "data":
         return
-    for s in sc["sft_seeds"]:
-        stage(f"sft_{s}", sft, root, s, args.sft_set)
+    seeds = select_sft(root, sc, args.sft_set, stage) if "n_dev" in sc else sc["sft_seeds"]
+    if "n_dev" not in sc:
+        for s in seeds:
+            stage(f"sft_{s}", sft, root, s, args.sft_set)
     if args.stage == "sft":
         return
-    gates = [stage(f"gonogo_{s}", go_no_go, root, s, sc["gonogo_samples"]) for s in sc["sft_seeds"]]
+    gates = [stage(f"gonogo_{s}", go_no_go, root, s, sc["gonogo_samples"]) for s in seeds]
     (root / "go_no_go.json").write_text(json.dumps(gates, indent=1))
     for g in gates:
         print(f"go/no-go, SFT seed {g['sft_seed']}: pass@1 {g['pass@1']:.3f}, pass@{g['samples']} - pass@1 "
@@ -195,7 +232,7 @@ def main() -> None:
                          "held-out set; --force runs the arms anyway")
     if args.stage == "gonogo" or args.dev:
         return
-    jobs = [(a, s, r) for s in sc["sft_seeds"] for r in sc["rl_seeds"] for a in sc["arms"]]
+    jobs = [(a, s, r) for s in seeds for r in sc["rl_seeds"] for a in sc["arms"]]
     t_rl = time.monotonic()
     with ThreadPoolExecutor(args.jobs) as ex:
         futures = [ex.submit(train, root, a, s, r, sc) for a, s, r in jobs]
