@@ -50,10 +50,19 @@ def test_splits_are_disjoint_and_the_check_sees_an_overlap():
     assert family.shortcuts(old_train, old) > 0 and check["shortcuts"] == 0
     train_only = [c for c in train_cells if c not in family.CELLS["dev"]]
     assert family.shortcuts(train_only, family.CELLS["heldout"] + family.CELLS["dev"]) == 0
-    dev, _ = data.generate(sft_seeds=[0], n_sft=200, look_frac=0.25, n_rl=32, n_heldout=16, dev=True)
+    dev, _ = data.generate(sft_seeds=[0], n_sft=1500, look_frac=0.25, n_rl=32, n_heldout=16, dev=True)
     cell = lambda s: (s.op, s.k, s.src.rsplit(".", 1)[1])  # noqa: E731
     assert {cell(s) for s in dev["heldout"]} <= set(family.CELLS["dev"])
     assert not {cell(s) for k in ("sft_0", "rl") for s in dev[k]} & set(family.CELLS["dev"] + family.CELLS["heldout"])
+    # the three-way split (the full run, change 12): the dev check's SFT/RL data, real held-out tasks, and dev tasks
+    # disjoint from the training data by the same checks
+    three, _ = data.generate(sft_seeds=[0], n_sft=1500, look_frac=0.25, n_rl=32, n_heldout=16, n_dev=8)
+    assert three["sft_0"] == dev["sft_0"] and three["rl"] == dev["rl"] and len(three["dev"]) == 8
+    assert {cell(s) for s in three["dev"]} <= set(family.CELLS["dev"])
+    assert {cell(s) for s in three["heldout"]} <= set(family.CELLS["heldout"])
+    trained = {k: v for k, v in three.items() if k not in ("heldout", "dev")}
+    assert family.disjointness(three["dev"], trained)["all_zero"]
+    assert family.disjointness(three["heldout"], trained)["all_zero"]
     train_slots = [{s.template[i] for k, v in specs.items() if k != "heldout" for s in v} for i in range(2)]
     assert not any(s.template[i] in train_slots[i] for s in specs["heldout"] for i in range(2))
 

@@ -33,9 +33,12 @@ def _load(name: str):
 
 
 analyze, recheck, run = _load("analyze"), _load("recheck"), _load("run")
-SETTINGS = {"sft_seeds": [0, 1], "rl_seeds": [0, 1], "arms": ["grpo", "rft", "placebo"], "n_sft": 1500,
-            "look_frac": 0.25, "n_rl": 10, "n_heldout": 12, "steps": 8, "eval_every": 4, "gonogo_samples": 8}
-P_LOOK = {"sft": 0.3, "grpo": 0.8, "rft": 0.5, "placebo": 0.3}
+# the three-way split: SFT seeds tried in the order 0, 2, 1 on the dev tasks, 2 kept; seed 2 fails its dev check
+SETTINGS = {"sft_seeds": [0, 2, 1], "sft_keep": 2, "n_dev": 8, "rl_seeds": [0, 1], "arms": ["grpo", "rft", "placebo"],
+            "n_sft": 1500, "look_frac": 0.25, "n_rl": 10, "n_heldout": 12, "steps": 8, "eval_every": 4,
+            "gonogo_samples": 8}
+CHOSEN = [0, 1]
+P_LOOK = {"sft": 0.3, "grpo": 0.8, "rft": 0.5, "placebo": 0.3, "dev_sft": 0.15, "bad_sft": 0.0}
 
 
 def episode(spec, kind: str) -> tuple[list[str], bool, str]:
@@ -68,6 +71,7 @@ def write_eval(d: Path, held, arm: str, key: tuple, samples: int) -> list[dict]:
             u = rng.random()
             kind = "look" if u < P_LOOK[arm] else rng.choice(["assume", "assume", "assume", "give_up", "loop",
                                                                "other"])
+            kind = "give_up" if arm == "bad_sft" else kind
             trs.append(transcript(spec, j, kind))
     d.mkdir(parents=True)
     stale = dict(trs[0], **{"pass": not trs[0]["pass"]})  # an earlier record of the same attempt: the last wins
@@ -83,23 +87,28 @@ def write_eval(d: Path, held, arm: str, key: tuple, samples: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     root = tmp_path_factory.mktemp("lv2") / "root"
-    params = {k: SETTINGS[k] for k in ("sft_seeds", "n_sft", "look_frac", "n_rl", "n_heldout")}
+    params = {k: SETTINGS[k] for k in ("sft_seeds", "n_sft", "look_frac", "n_rl", "n_heldout", "n_dev")}
     specs, _ = data.generate(**params)
-    held = specs["heldout"]
+    held, dev = specs["heldout"], specs.pop("dev")
     (root / "data").mkdir(parents=True)
     save_parquet([family.to_task(s) for s in held], root / "data" / "heldout.parquet")
-    info = {"disjointness": family.disjointness(held, {k: v for k, v in specs.items() if k != "heldout"})}
+    trained = {k: v for k, v in specs.items() if k != "heldout"}
+    info = {"disjointness": family.disjointness(held, trained), "dev_disjointness": family.disjointness(dev, trained)}
     (root / "data" / "instructions.json").write_text(json.dumps({k: [s.instruction for s in v]
-                                                                 for k, v in specs.items()}))
-    truth = {("sft", s, None, 0): write_eval(root / f"sft_{s}_eval", held, "sft", (s,), 8)
-             for s in SETTINGS["sft_seeds"]}
+                                                                 for k, v in {**specs, "dev": dev}.items()}))
+    for s in SETTINGS["sft_seeds"]:  # run.select_sft on the dev checks' transcripts (SFT itself is done)
+        (root / f"sft_{s}" / "hf_final").mkdir(parents=True)
+        (root / f"sft_{s}" / "hf_final" / "config.json").write_text("{}")
+        write_eval(root / f"sft_{s}_dev", dev, "bad_sft" if s == 2 else "dev_sft", (s, "dev"), 8)
+    assert run.select_sft(root, SETTINGS, [], lambda name, fn, *a: fn(*a)) == CHOSEN
+    truth = {("sft", s, None, 0): write_eval(root / f"sft_{s}_eval", held, "sft", (s,), 8) for s in CHOSEN}
     for arm in SETTINGS["arms"]:
-        for s in SETTINGS["sft_seeds"]:
+        for s in CHOSEN:
             for r in SETTINGS["rl_seeds"]:
                 for n in (4, 8):
                     d = root / "runs" / f"{arm}_s{s}_r{r}" / "eval" / f"step_{n:06d}"
                     truth[(arm, s, r, n)] = write_eval(d, held, arm, (s, r, n), 4)
-    gates = [run.go_no_go(root, s, 8) for s in SETTINGS["sft_seeds"]]
+    gates = [run.go_no_go(root, s, 8) for s in CHOSEN]
     results, timing = root / "results", {"data": 1.0, "rl_total": 7200.0}
     (root / "go_no_go.json").write_text(json.dumps(gates))
     (root / "data" / "data.json").write_text(json.dumps(info))
@@ -129,12 +138,18 @@ def test_outputs_and_failure_modes(synthetic):
     assert out["final_steps"] == {"sft": 0, "grpo": 8, "rft": 8, "placebo": 8}
     assert out["tasks_rebuilt"] == out["heldout_tasks"] == len(held)
     assert out["go_no_go"]["gates"][0]["tasks"] == len(held)
+    sel = out["sft_selection"]
+    assert [g["sft_seed"] for g in sel["tried"]] == [0, 2, 1] and sel["chosen"] == CHOSEN
+    assert [g["verdict"] for g in sel["tried"]] == ["go", "no-go", "go"] and sel["tried"][1]["pass@1"] < 0.2
+    assert out["settings"]["sft_seeds"] == CHOSEN and out["settings"]["sft_candidates"] == [0, 2, 1]
+    assert out["dev_disjointness"]["all_zero"] and out["dev_disjointness"]["heldout_tasks"] == 8
     assert set(out["comparisons"]) == set(analyze.COMPARISONS)
     assert not out["comparisons"]["dppo-sft"]["available"] and "dppo" in out["comparisons"]["dppo-sft"]["reason"]
     assert out["goal_met"] is False and out["goal_met_strict"] is False  # no DPPO arm
     assert out["comparisons"]["grpo-sft"]["mean"] > 0
     md = (results / "learning_v2.md").read_text()
     assert "NOT met" in md.split("\n\n")[1] and "pre-registered criterion uses the interval over tasks" in md
+    assert "| 2 | 8 | 0.000 |" in md and "Chosen: [0, 1]" in md  # every SFT seed tried, with its dev numbers
     nd = out["disjointness_nearest"]
     assert nd["available"] and nd["heldout_instructions"] == len({s.instruction for s in held})
     assert nd["longest_shared_words"]["max"] < family.NGRAM and 0 <= nd["jaccard_word3"]["max"] < 1
@@ -244,12 +259,13 @@ def test_recheck_agrees_and_catches_tampering(synthetic, tmp_path, capsys):
     res["comparisons"]["placebo-sft"]["per_run"]["s1_r0"] += 1e-6
     res["failure_modes"]["sft"]["steps"]["0"]["counts"]["gave_up"] += 1
     res["sft_pass_at_k_tasks"]["all"]["8"]["excluded"] += 1
+    res["sft_selection"]["tried"][1]["verdict"] = "go"  # seed 2 failed its dev check
     (bad / "learning_v2.json").write_text(json.dumps(res))
     assert recheck.main(["--results", str(bad)]) == 1
     err = capsys.readouterr().err
     for what in ("arms[grpo][s0_r0][8]", "grpo-sft lower end", "failure_modes[sft][0] gave_up",
                  "grpo-rft runs x tasks lower end", "rft-sft instruction-cluster upper end",
-                 "placebo-sft per_run[s1_r0]", "sft_pass_at_k_tasks[all][8]"):
+                 "placebo-sft per_run[s1_r0]", "sft_pass_at_k_tasks[all][8]", "dev check of SFT seed 2: verdict"):
         assert what in err, what
     assert "goal_met" not in err
     # a comparison claimed available although a run stopped early
