@@ -10,6 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import need
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "learning_v2"))
@@ -121,3 +122,20 @@ def test_emulated_outputs_oracle_and_demonstrations_match_the_real_sandbox(tiny_
             await check(spec)
 
     asyncio.run(main())
+
+
+def test_prepare_refuses_starved_cells_and_data_the_code_no_longer_generates(tmp_path, monkeypatch):
+    """Both refusals come before any demonstration is made (tokenizer and agent config are not needed)."""
+    args = dict(sft_seeds=[0], n_sft=1500, look_frac=0.25, n_rl=16, n_heldout=200, heldout_seed=0, n_dev=64,
+                tokenizer=None, agent_cfg=None)
+    specs, _ = data.generate(**{k: v for k, v in args.items() if k not in ("tokenizer", "agent_cfg")})
+    (tmp_path / "data.json").write_text('{"tasks_sha256": "%s", "reused": true}' % data.tasks_sha256(specs))
+    assert data.prepare(tmp_path, **args)["reused"]  # what this code generates: reused as it is
+    (tmp_path / "data.json").write_text('{"tasks_sha256": "%s"}' % ("0" * 64))
+    with pytest.raises(RuntimeError, match="holds other tasks than this code generates"):
+        data.prepare(tmp_path, **args)
+    # change 12's finding: dev asks that share "{what} to" with a training ask leave the values/distinct dev
+    # cells without a task (the 8-gram filter rejects them all)
+    monkeypatch.setitem(family.ASK, "dev", ("Produce {dst} with {what} in it.", "Output {what} to {dst}."))
+    with pytest.raises(RuntimeError, match=r"no dev task on the cells \[\('distinct'"):
+        data.prepare(tmp_path / "fresh", **args)

@@ -143,6 +143,8 @@ def test_outputs_and_failure_modes(synthetic):
     assert [g["verdict"] for g in sel["tried"]] == ["go", "no-go", "go"] and sel["tried"][1]["pass@1"] < 0.2
     assert out["settings"]["sft_seeds"] == CHOSEN and out["settings"]["sft_candidates"] == [0, 2, 1]
     assert out["dev_disjointness"]["all_zero"] and out["dev_disjointness"]["heldout_tasks"] == 8
+    dev_rows = (results / "learning_v2" / "dev_attempts.jsonl").read_text().splitlines()
+    assert len(dev_rows) == 3 * 8 * 8 and {json.loads(x)["sft_seed"] for x in dev_rows} == {0, 1, 2}
     assert set(out["comparisons"]) == set(analyze.COMPARISONS)
     assert not out["comparisons"]["dppo-sft"]["available"] and "dppo" in out["comparisons"]["dppo-sft"]["reason"]
     assert out["goal_met"] is False and out["goal_met_strict"] is False  # no DPPO arm
@@ -260,12 +262,16 @@ def test_recheck_agrees_and_catches_tampering(synthetic, tmp_path, capsys):
     res["failure_modes"]["sft"]["steps"]["0"]["counts"]["gave_up"] += 1
     res["sft_pass_at_k_tasks"]["all"]["8"]["excluded"] += 1
     res["sft_selection"]["tried"][1]["verdict"] = "go"  # seed 2 failed its dev check
+    res["sft_selection"]["tried"][0]["pass@1"] += 0.01  # a dev number that its attempts do not give
+    (bad / "learning_v2" / "dev_attempts.jsonl").write_text(
+        (results / "learning_v2" / "dev_attempts.jsonl").read_text())
     (bad / "learning_v2.json").write_text(json.dumps(res))
     assert recheck.main(["--results", str(bad)]) == 1
     err = capsys.readouterr().err
     for what in ("arms[grpo][s0_r0][8]", "grpo-sft lower end", "failure_modes[sft][0] gave_up",
                  "grpo-rft runs x tasks lower end", "rft-sft instruction-cluster upper end",
-                 "placebo-sft per_run[s1_r0]", "sft_pass_at_k_tasks[all][8]", "dev check of SFT seed 2: verdict"):
+                 "placebo-sft per_run[s1_r0]", "sft_pass_at_k_tasks[all][8]", "dev check of SFT seed 2: verdict",
+                 "dev check of SFT seed 0: pass@1"):
         assert what in err, what
     assert "goal_met" not in err
     # a comparison claimed available although a run stopped early

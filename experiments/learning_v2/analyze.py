@@ -319,11 +319,15 @@ def classify(tr: dict, meta: dict, spec: family.Spec | None) -> tuple[str, bool]
     return "other", inspected
 
 
-def collect(root: Path, tasks: dict, specs: dict) -> tuple[list[dict], dict, set]:
-    """attempts.jsonl's records of every evaluation under ``root``, what was left out, and the (arm, SFT seed,
-    RL seed, step) of the evaluations that finished (summary.json)."""
+def collect(root: Path, tasks: dict, specs: dict, sft_seeds=None) -> tuple[list[dict], dict, set]:
+    """attempts.jsonl's records of every evaluation under ``root`` (of ``sft_seeds`` when given: the chosen ones;
+    others are counted in what was left out), what was left out, and the (arm, SFT seed, RL seed, step) of the
+    evaluations that finished (summary.json)."""
     rows, left, complete = [], Counter(), set()
     for arm, s, r, step, d in eval_dirs(root):
+        if sft_seeds is not None and s not in sft_seeds:
+            left[f"{arm}_of_an_sft_seed_not_chosen"] += len(episodes(d))
+            continue
         if (d / "summary.json").is_file():
             complete.add((arm, s, r, step))
         for tr in episodes(d):
@@ -868,6 +872,13 @@ def summary_paragraph(out: dict) -> str:
     else:
         parts.append("GRPO and DPPO each beat both SFT and RFT with intervals excluding 0, and the placebo's "
                      "interval against SFT is not above 0.")
+    sel = out.get("sft_selection") or {}
+    if sel.get("tried"):
+        parts.append(f"The SFT starts were chosen on the dev tasks (validation split): {len(sel['chosen'])} of the "
+                     f"{len(sel['tried'])} SFT seeds tried passed the go/no-go criteria there and are the "
+                     "experiment's, so every effect here is conditional on a start that the criteria select (headroom "
+                     "and varied samples), and the intervals do not cover the variation between SFT seeds of the "
+                     "recipe; all arms share those starts, so no comparison favours an arm.")
     if gates["verdict"] != "go":
         parts.append(f"Go/no-go verdict before RL: {gates['verdict']}" +
                      ("; the arms ran anyway (--force), so read the comparisons with that in mind."
@@ -1068,8 +1079,13 @@ def main(root: Path, results: Path, *, command: str, scale: str, settings: dict,
         settings = {**settings, "sft_candidates": settings["sft_seeds"], "sft_seeds": selection["chosen"]}
     tasks = {t.id: t for t in load_tasks(str(root / "data" / "heldout.parquet"))}
     specs = {tid: rebuild(t) for tid, t in tasks.items()}
-    rows, left_out, complete = collect(root, tasks, specs)
+    rows, left_out, complete = collect(root, tasks, specs, set(settings["sft_seeds"]) if selection else None)
     (results / "learning_v2").mkdir(parents=True, exist_ok=True)
+    if selection:  # the dev checks, attempt by attempt (recheck.py recomputes the selection from them)
+        dev = [{"sft_seed": g["sft_seed"], "task_id": r["task"], "sample": r["attempt"], "passed": bool(r["pass"])}
+               for g in selection["tried"] for r in read_jsonl(root / f"sft_{g['sft_seed']}_dev" / "attempts.jsonl")]
+        (results / "learning_v2" / "dev_attempts.jsonl").write_text(
+            "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in dev))
     tmp = results / "learning_v2" / "attempts.jsonl.tmp"
     tmp.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in rows))
     tmp.replace(results / "learning_v2" / "attempts.jsonl")

@@ -11,6 +11,7 @@ thousands of them cost seconds.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -62,13 +63,31 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     from jaxrl_term.tasks.formats import save_parquet
 
     done = root / "data.json"
+    args = dict(sft_seeds=sft_seeds, n_sft=n_sft, look_frac=look_frac, n_rl=n_rl, n_heldout=n_heldout,
+                heldout_seed=heldout_seed, dev=dev, n_dev=n_dev)
+    specs, looks = generate(**args)
+    made = tasks_sha256(specs)
     if done.exists():
-        return json.loads(done.read_text())
+        info = json.loads(done.read_text())
+        if info.get("tasks_sha256", made) != made:
+            raise RuntimeError(f"{root} holds other tasks than this code generates (tasks_sha256 "
+                               f"{info['tasks_sha256'][:12]}, now {made[:12]}: family.py or data.py changed since): "
+                               "give run.py a new --root")
+        return info
     root.mkdir(parents=True, exist_ok=True)
-    specs, looks = generate(sft_seeds=sft_seeds, n_sft=n_sft, look_frac=look_frac, n_rl=n_rl, n_heldout=n_heldout,
-                            heldout_seed=heldout_seed, dev=dev, n_dev=n_dev)
     rl_specs, heldout = specs["rl"], specs["heldout"]
-    info: dict = {"sft": {}, "rl_tasks": len(rl_specs), "rl_default_ok": sum(s.default_ok for s in rl_specs)}
+    info: dict = {"sft": {}, "rl_tasks": len(rl_specs), "rl_default_ok": sum(s.default_ok for s in rl_specs),
+                  "tasks_sha256": made}
+    # every reserved cell is tested, checked before the demonstrations are made (the 8-gram filter can starve one)
+    for name, split in [("heldout", "dev")] if dev else [("heldout", "heldout"), ("dev", "dev")]:
+        if name not in specs:
+            continue
+        missing = set(family.CELLS[split]) - {(s.op, s.k, s.src.rsplit(".", 1)[1]) for s in specs[name]}
+        if missing:
+            raise RuntimeError(f"no {split} task on the cells {sorted(missing, key=str)}: too few {name} tasks for "
+                               f"{len(family.CELLS[split])} cells, or the {family.NGRAM}-gram filter rejected them "
+                               f"(family.ASK/INTRO[{split!r}] share words with training frames)")
+        info[f"{name}_ops"] = {op: sum(s.op == op for s in specs[name]) for op in family.OPS}
     for seed in sft_seeds:
         trajs = asyncio.run(episodes(specs[f"sft_{seed}"], looks[seed], tokenizer, agent_cfg))
         tmp = root / f"sft_{seed}.jsonl.tmp"
@@ -96,6 +115,13 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     (root / "instructions.json").write_text(json.dumps({k: [s.instruction for s in v] for k, v in specs.items()}))
     done.write_text(json.dumps(info, indent=1))
     return info
+
+
+def tasks_sha256(specs: dict[str, list]) -> str:
+    """Every generated task, as ids and instructions per split: a run directory's data are reused only when the
+    code still generates them."""
+    return hashlib.sha256(json.dumps({k: [(family.task_id(s), s.instruction) for s in v]
+                                      for k, v in sorted(specs.items())}).encode()).hexdigest()
 
 
 def generate(*, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,

@@ -80,7 +80,9 @@ ASK = {
     "train": ("Write {what} to {dst}.", "Save {what} in {dst}.", "Put {what} into {dst}.",
               "Compute {what} and write it to {dst}.", "Into {dst}, write {what}.", "Fill {dst} with {what}.",
               "Make {dst} contain {what}.", "{dst} should hold {what}."),
-    "dev": ("Produce {dst} with {what} in it.", "Output {what} to {dst}."),
+    # dev: words of their own on both sides of {what} (change 12): "Output {what} to {dst}" shared "{what} to" with
+    # "Write {what} to {dst}", so the 8-gram filter rejected every dev task but sums and maxima
+    "dev": ("Record {what} inside {dst}.", "Deliver {dst} listing {what}."),
     "heldout": ("Store {what} as {dst}.", "Create {dst} holding {what}.", "Report {what} by writing it to {dst}."),
 }
 # The op's key phrase is shared by both splits: a 0.92M model trained from scratch on these templates cannot
@@ -105,6 +107,8 @@ REASON = {
     "done": "The result is written, so the task is done.",
 }
 NGRAM = 8  # word n-grams a held-out instruction may not share with any SFT/RL instruction
+# (the first "values" key phrase is 8 words, "the values of field $3 in file order": every held-out or dev
+# instruction with it is rejected, so those use the second one; found in change 12, kept: it only filters more)
 
 
 def _h(*parts) -> int:

@@ -386,10 +386,8 @@ def check_gates(ck: Checker, res: dict, groups) -> None:
         ck.close(f"{w} pass@{g['samples']}", pn, g[f"pass@{g['samples']}"], kind="go/no-go")
         ck.close(f"{w} pass@k - pass@1", pn - p1, g["pass@k_minus_pass@1"], kind="go/no-go")
         ck.close(f"{w} mixed share", mixed, g["mixed_frac"], kind="go/no-go")
-        cr = g["criteria"]
-        go = (cr["pass1_min"] <= p1 <= cr["pass1_max"] and pn - p1 >= cr["pass8_minus_pass1_min"]
-              and mixed >= cr["mixed_frac_min"])
-        ck.same(f"{w} verdict", "go" if go else "no-go", g["verdict"], kind="go/no-go")
+        ck.same(f"{w} verdict", verdict(p1, pn, mixed), g["verdict"], kind="go/no-go")
+        ck.same(f"{w} criteria (the pre-registered ones)", g.get("criteria"), GO, kind="go/no-go")
     overall = "not run" if not gates else ("go" if all(g["verdict"] == "go" for g in gates) else "no-go")
     ck.same("go/no-go overall verdict", overall, gng.get("verdict"), kind="go/no-go")
 
@@ -463,7 +461,7 @@ def grams(text: str, n: int) -> set[tuple]:
     return set(zip(*(t[i:] for i in range(n))))
 
 
-def check_disjointness(ck: Checker, res: dict, rows) -> str:
+def check_disjointness(ck: Checker, res: dict, rows, dev_rows: list[dict] | None = None) -> str:
     st = res.get("settings") or {}
     keys = ("sft_seeds", "n_sft", "look_frac", "n_rl", "n_heldout")
     if any(k not in st for k in keys):
@@ -474,7 +472,7 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
     specs, _ = data.generate(**gen, heldout_seed=st.get("heldout_seed", 0), n_dev=st.get("n_dev", 0))
     dev = specs.pop("dev", None)  # the validation split: never trained on; checked like the held-out tasks below
     if dev is not None:
-        check_dev(ck, res, dev, specs)
+        check_dev(ck, res, dev, specs, dev_rows or [])
     held = specs["heldout"]
     n = family.NGRAM
     dj = res.get("disjointness") or {}
@@ -525,11 +523,22 @@ def check_disjointness(ck: Checker, res: dict, rows) -> str:
     return f"{len(held)} held-out tasks vs " + ", ".join(f"{k} {len(v)}" for k, v in specs.items() if k != "heldout")
 
 
-def check_dev(ck: Checker, res: dict, dev: list, specs: dict) -> None:
+GO = {"pass1_min": 0.2, "pass1_max": 0.6, "pass8_minus_pass1_min": 0.2, "mixed_frac_min": 0.4}  # pre-registered
+
+
+def verdict(p1: float, pn: float, mixed: float) -> str:
+    """The go/no-go criteria of PREREGISTRATION.md, as written there (not as the json states them)."""
+    ok = GO["pass1_min"] <= p1 <= GO["pass1_max"] and pn - p1 >= GO["pass8_minus_pass1_min"] and mixed >= GO[
+        "mixed_frac_min"]
+    return "go" if ok else "no-go"
+
+
+def check_dev(ck: Checker, res: dict, dev: list, specs: dict, dev_rows: list[dict]) -> None:
     """The three-way split: the dev tasks share no instruction, word n-gram or sentence frame with SFT/RL data
-    (own loop), and the SFT seeds are those the selection rule picks from the dev checks' numbers."""
-    n, dj = family.NGRAM, res.get("dev_disjointness") or {}
-    ck.same("dev tasks generated", len(dev), res["settings"]["n_dev"], kind="dev split")
+    (own loop); each SFT seed's dev numbers, recomputed from dev_attempts.jsonl on the generated dev tasks; and
+    the SFT seeds are those the pre-registered rule picks from them."""
+    n, dj, st = family.NGRAM, res.get("dev_disjointness") or {}, res["settings"]
+    ck.same("dev tasks generated", len(dev), st["n_dev"], kind="dev split")
     for src, v in specs.items():
         if src == "heldout":
             continue
@@ -542,21 +551,36 @@ def check_dev(ck: Checker, res: dict, dev: list, specs: dict) -> None:
         for what, x in got.items():
             ck.same(f"dev disjointness {src} {what} (must be 0)", x, 0, kind="dev split")
             ck.same(f"dev_disjointness[{src}][{what}]", x, (dj.get(src) or {}).get(what), kind="dev split")
-    sel = res.get("sft_selection") or {}
-    keep, chosen = sel.get("keep"), []
-    for g in sel.get("tried", []):
-        cr = g["criteria"]
-        go = (cr["pass1_min"] <= g["pass@1"] <= cr["pass1_max"] and g["pass@k_minus_pass@1"] >= cr[
-            "pass8_minus_pass1_min"] and g["mixed_frac"] >= cr["mixed_frac_min"])
-        ck.same(f"dev check of SFT seed {g['sft_seed']}: verdict", "go" if go else "no-go", g["verdict"],
-                kind="dev split")
-        chosen += [g["sft_seed"]] if go else []
-    cands = res["settings"].get("sft_candidates", [])
-    ck.same("SFT seeds tried (in order, from the first)", [g["sft_seed"] for g in sel.get("tried", [])],
-            cands[: len(sel.get("tried", []))], kind="dev split")
-    ck.same("SFT seeds chosen: the first that pass", chosen[:keep], sel.get("chosen"), kind="dev split")
-    ck.same("SFT seeds of the runs = the chosen ones", sel.get("chosen"), res["settings"].get("sft_seeds"),
+    sel, ids = res.get("sft_selection") or {}, {family.task_id(s) for s in dev}
+    keep, tried, chosen = st.get("sft_keep"), sel.get("tried", []), []
+    ck.same("sft_selection keep = the settings' sft_keep", sel.get("keep"), keep, kind="dev split")
+    for g in tried:
+        s, w = g["sft_seed"], f"dev check of SFT seed {g['sft_seed']}"
+        by: dict[str, list[bool]] = {}
+        for r in dev_rows:
+            if r["sft_seed"] == s:
+                by.setdefault(r["task_id"], []).append(bool(r["passed"]))
+        ck.same(f"{w}: its tasks are the generated dev tasks", set(by) == ids, True, kind="dev split")
+        if not by:
+            continue
+        rates = [sum(v) / len(v) for v in by.values()]
+        p1 = sum(rates) / len(rates)
+        full = [v for v in by.values() if len(v) >= g["samples"]]
+        pn = sum(any(v) for v in full) / max(1, len(full))
+        mixed = sum(0 < x < 1 for x in rates) / len(rates)
+        for key, got in (("pass@1", p1), ("pass@k_minus_pass@1", pn - p1), ("mixed_frac", mixed)):
+            ck.close(f"{w}: {key}", got, g[key], kind="dev split")
+        ck.same(f"{w}: verdict", verdict(p1, pn, mixed), g["verdict"], kind="dev split")
+        if verdict(p1, pn, mixed) == "go" and keep and len(chosen) < keep:
+            chosen.append(s)
+    cands = st.get("sft_candidates", [])
+    ck.same("SFT seeds tried (in order, from the first)", [g["sft_seed"] for g in tried], cands[: len(tried)],
             kind="dev split")
+    stopped = len(tried) == len(cands) or (len(chosen) == keep and tried and tried[-1]["sft_seed"] == chosen[-1])
+    ck.same("seeds were tried until the rule's stop (the keep-th pass, or no seed left)", bool(stopped), True,
+            kind="dev split")
+    ck.same("SFT seeds chosen: the first that pass", chosen, sel.get("chosen"), kind="dev split")
+    ck.same("SFT seeds of the runs = the chosen ones", sel.get("chosen"), st.get("sft_seeds"), kind="dev split")
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -625,7 +649,13 @@ def main(argv=None) -> int:
     flips = check_comparisons(ck, res, groups, runs, avail, rows)
     check_gates(ck, res, groups)
     check_failure_modes(ck, res, groups, rows, runs, avail)
-    dis = check_disjointness(ck, res, rows)
+    dev_path = d / "learning_v2" / "dev_attempts.jsonl"
+    dev_rows = [json.loads(x) for x in dev_path.read_text().splitlines() if x.strip()] if dev_path.is_file() else []
+    chosen = (res.get("sft_selection") or {}).get("chosen")
+    if chosen is not None:  # no held-out attempt of an SFT seed that the dev tasks did not choose
+        ck.same("SFT seeds in attempts.jsonl (all arms) within the chosen ones",
+                sorted({r["sft_seed"] for r in rows} - set(chosen)), [], kind="dev split")
+    dis = check_disjointness(ck, res, rows, dev_rows)
     if flips:
         ck.warnings.append("own intervals put the lower end on the other side of 0 for " + ", ".join(flips)
                            + " (within tolerance): the goal verdict is that close")

@@ -197,11 +197,15 @@ def main() -> None:
     t0 = time.monotonic()
     command = "python experiments/learning_v2/run.py " + shlex.join(sys.argv[1:])
     saved = root / "settings.json"
-    if saved.exists() and json.loads(saved.read_text())["settings"] != json.loads(json.dumps(sc)):
-        raise SystemExit(f"{root} holds a run with other settings ({saved}); every stage there would be reused as "
-                         "it is. Give a new --root for new settings (e.g. another SFT mix after a no-go)")
-    if not saved.exists():
-        saved.write_text(json.dumps({"command": command, "scale": scale, "settings": sc, "sft": SFT}, indent=1))
+    if saved.exists():
+        old = json.loads(saved.read_text())
+        if (old["settings"], old.get("sft", SFT), old.get("go", GO)) != json.loads(json.dumps((sc, SFT, GO))):
+            raise SystemExit(f"{root} holds a run with other settings, SFT recipe or go/no-go criteria ({saved}); "
+                             "every stage there would be reused as it is. Give a new --root for new settings (e.g. "
+                             "another SFT mix after a no-go)")
+    else:
+        saved.write_text(json.dumps({"command": command, "scale": scale, "settings": sc, "sft": SFT, "go": GO},
+                                    indent=1))
     timing = json.loads((root / "timing.json").read_text()) if (root / "timing.json").exists() else {}
 
     def stage(name: str, fn, *a):
