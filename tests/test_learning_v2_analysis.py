@@ -362,3 +362,14 @@ def test_params_diagnostic_reads_field_file_and_op_from_the_command():
         assert not got["file"] and got["op"] and not got.get("field", False), wrong
         assert params.check(tr(f"cat {spec.src}"), meta) is None  # no command that writes or runs awk
     assert params.op_of("awk -F';' 'NR>1 {print $3}' /app/data.txt > /app/answer.txt") == "values"
+
+
+def test_run_reuses_a_root_only_with_the_same_settings_recipe_and_criteria(tmp_path):
+    saved, now = tmp_path / "settings.json", {"command": "a", "scale": "full", "settings": run.SCALES["full"],
+                                              "sft": run.SFT, "go": run.GO}
+    run.keep_settings(saved, now)
+    run.keep_settings(saved, dict(now, command="b"))  # resumed with another command line: the same run
+    for change in ({"sft": run.SFT + ["sft.steps=1200"]}, {"go": dict(run.GO, pass1_min=0.1)},
+                   {"settings": dict(run.SCALES["full"], sft_keep=3)}):
+        with pytest.raises(SystemExit, match="holds a run with other settings"):
+            run.keep_settings(saved, dict(now, **change))

@@ -173,6 +173,20 @@ def select_sft(root: Path, sc: dict, sft_set: list[str], stage) -> list[int]:
     return chosen
 
 
+def keep_settings(saved: Path, now: dict) -> None:
+    """Write ``now`` (run.py's settings, SFT recipe and criteria) to ``saved`` on a new root; on an existing one,
+    refuse unless they are the same: every finished stage there is reused as it is."""
+    if not saved.exists():
+        saved.write_text(json.dumps(now, indent=1))
+        return
+    old, now = json.loads(saved.read_text()), json.loads(json.dumps(now))
+    if [old["settings"], old.get("sft", now["sft"]), old.get("go", now["go"])] != [now[k] for k in
+                                                                                  ("settings", "sft", "go")]:
+        raise SystemExit(f"{saved.parent} holds a run with other settings, SFT recipe or go/no-go criteria ({saved}); "
+                         "every stage there would be reused as it is. Give a new --root for new settings (e.g. "
+                         "another SFT mix after a no-go)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pilot", action="store_true", help="the small-scale pilot (results under ROOT/pilot)")
@@ -196,16 +210,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     command = "python experiments/learning_v2/run.py " + shlex.join(sys.argv[1:])
-    saved = root / "settings.json"
-    if saved.exists():
-        old = json.loads(saved.read_text())
-        if (old["settings"], old.get("sft", SFT), old.get("go", GO)) != json.loads(json.dumps((sc, SFT, GO))):
-            raise SystemExit(f"{root} holds a run with other settings, SFT recipe or go/no-go criteria ({saved}); "
-                             "every stage there would be reused as it is. Give a new --root for new settings (e.g. "
-                             "another SFT mix after a no-go)")
-    else:
-        saved.write_text(json.dumps({"command": command, "scale": scale, "settings": sc, "sft": SFT, "go": GO},
-                                    indent=1))
+    keep_settings(root / "settings.json", {"command": command, "scale": scale, "settings": sc, "sft": SFT, "go": GO})
     timing = json.loads((root / "timing.json").read_text()) if (root / "timing.json").exists() else {}
 
     def stage(name: str, fn, *a):
