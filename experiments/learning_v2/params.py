@@ -13,7 +13,9 @@ the task's output path, else the last awk command, and:
 - ``op``: the command's shape is the op's as the teacher writes it (``family.command``): ``n++``/``print NR``/``wc -l``
   = count, ``+=`` = sum, ``sort -n`` and ``tail`` = max, ``sort -u``/``uniq`` = distinct, else values.
 
-Attempts with no such command count as wrong on every parameter (``no_command``).
+Attempts with no such command count as wrong on every parameter (``no_command``). Also counted: attempts that
+read the data file before writing (``inspected``, and of those, ``inspected_passed``) and ``analyze.classify``'s
+failure modes (``mode_*``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from analyze import commands, episodes, is_write, shell_words  # noqa: E402
+from analyze import classify, commands, episodes, is_write, shell_words  # noqa: E402
 
 
 def op_of(cmd: str) -> str:
@@ -73,11 +75,14 @@ def summarize(eval_dir: Path, heldout: Path) -> dict:
         m = meta.get(tr.get("task"))
         if m is None:
             continue
-        res = check(tr, m)
+        res, (mode, inspected) = check(tr, m), classify(tr, m, None)
         for key in ("all", m["op"]):
             t = tally[key]
             t["attempts"] += 1
             t["passed"] += bool(tr.get("pass"))
+            t["inspected"] += inspected  # read the data file before writing the answer (analyze.classify)
+            t["inspected_passed"] += inspected and bool(tr.get("pass"))
+            t[f"mode_{mode}"] += 1
             if res is None:
                 t["no_command"] += 1
                 continue
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         rates = ", ".join(f"{p} {t.get(p + '_right', 0)}/{t.get(p + '_asked', 0)}" for p in ("field", "file", "op")
                           if t.get(p + "_asked"))
         print(f"{key:9s} attempts {t['attempts']:4d}, passed {t['passed']:4d}, no command {t.get('no_command', 0):3d}; "
-              f"right: {rates}")
+              f"right: {rates}; inspected {t['inspected']} (passed {t['inspected_passed']})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 

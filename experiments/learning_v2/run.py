@@ -56,8 +56,9 @@ SCALES = {
                   n_heldout=64, heldout_seed=1, steps=8, eval_every=4, gonogo_samples=8),
     # the pilot's held-out tasks are drawn with another seed: none of them is a task of the full run
     "dev": dict(sft_seeds=[0], rl_seeds=[], arms=[], n_sft=4000, look_frac=0.25, n_rl=256, n_heldout=64,
-                heldout_seed=0, steps=0, eval_every=0, gonogo_samples=8, dev=True),
-    # the dev check: SFT without the dev cells, its go/no-go on dev-cell tasks (training split only)
+                heldout_seed=2, steps=0, eval_every=0, gonogo_samples=8, dev=True),
+    # the dev check: SFT without the dev cells, its go/no-go on dev-cell tasks (training split only); dev tasks
+    # drawn as the full run's (seed 2): with seed 0, no task fell on one of the 16 dev cells
 }
 SFT = ["sft.steps=600", "sft.lr=0.003", "sft.batch_size=16"]  # the SFT command's settings (not in the preset:
                                                                 # train and eval configs have no sft group)
@@ -196,6 +197,10 @@ def main() -> None:
     ap.add_argument("--sft-set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra Hydra overrides of the SFT command (e.g. model.num_hidden_layers=6 sft.steps=1200); "
                          "recorded in settings.json")
+    ap.add_argument("--look-frac", type=float, default=None,
+                    help="the SFT mix's look share (default: the scale's); recorded in settings.json")
+    ap.add_argument("--sft-seeds", type=int, nargs="+", default=None,
+                    help="the SFT seeds (default: the scale's); recorded in settings.json")
     ap.add_argument("--root", default="runs/learning_v2")
     ap.add_argument("--jobs", type=int, default=2, help="train runs at once")
     ap.add_argument("--force", action="store_true", help="go on after a no-go (the result then says so)")
@@ -205,7 +210,9 @@ def main() -> None:
     if args.pilot and args.dev:
         raise SystemExit("--pilot and --dev are different scales: give one")
     scale = "pilot" if args.pilot else "dev" if args.dev else "full"
-    sc = {**SCALES[scale], **({"sft_set": args.sft_set} if args.sft_set else {})}
+    sc = {**SCALES[scale], **({"sft_set": args.sft_set} if args.sft_set else {}),
+          **({"look_frac": args.look_frac} if args.look_frac is not None else {}),
+          **({"sft_seeds": args.sft_seeds} if args.sft_seeds else {})}
     root = (REPO / args.root / ("" if scale == "full" else scale)).resolve()
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
