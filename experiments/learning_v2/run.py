@@ -74,11 +74,6 @@ def sh(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"failed (exit {rc}): {shlex.join(cmd)}; its output: {log}")
 
 
-def sft_keep(sc: dict) -> int:
-    """How many SFT seeds the experiment uses: ``sft_keep`` chosen on the dev tasks, else every one listed."""
-    return sc.get("sft_keep", len(sc["sft_seeds"]))
-
-
 def data_args(root: Path) -> list[str]:
     d = root / "data"
     return [f"data.source={d / 'train.parquet'}", f"eval.data.source={d / 'heldout.parquet'}"]
@@ -154,7 +149,7 @@ def select_sft(root: Path, sc: dict, sft_set: list[str], stage) -> list[int]:
     (the go/no-go criteria, ``gonogo_samples`` each) until ``sft_keep`` have passed; those are the experiment's.
     Every seed tried is reported (ROOT/sft_selection.json, then learning_v2.json). The held-out tasks play no
     part: they are evaluated only afterwards, on the chosen seeds (the pre-registered go/no-go)."""
-    keep, tried, chosen = sft_keep(sc), [], []
+    keep, tried, chosen = sc["sft_keep"], [], []
     for s in sc["sft_seeds"]:
         if len(chosen) == keep:
             break
