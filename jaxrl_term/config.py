@@ -82,7 +82,13 @@ class DockerEnginesCfg:
     client_cert, client_key, name}]; empty = the one default engine (DOCKER_HOST or the local socket)."""
 
     hosts: list[Any] = field(default_factory=list)
-    cooldown_s: float = 60.0  # an engine that stopped answering is tried again after this
+    cooldown_s: float = 60.0  # an engine out of rotation is probed after this (doubled per failed probe, up to 8x)
+    # liveness: every engine is pinged every probe_interval_s (each ping bounded by probe_timeout_s); probe_misses
+    # missed in a row take it out of rotation and fail its sandboxes (retried elsewhere): a hung engine is out
+    # within probe_misses x (probe_interval_s + probe_timeout_s)
+    probe_interval_s: float = 5.0
+    probe_timeout_s: float = 5.0
+    probe_misses: int = 2
 
 
 @dataclasses.dataclass
@@ -113,8 +119,10 @@ class SandboxCfg:
             return None
         from jaxrl_term.sandbox.engines import shared_pool
 
-        return shared_pool([dict(h) if isinstance(h, dict) else h for h in self.docker.hosts],
-                           cooldown_s=self.docker.cooldown_s)
+        d = self.docker
+        return shared_pool([dict(h) if isinstance(h, dict) else h for h in d.hosts], cooldown_s=d.cooldown_s,
+                           probe_interval_s=d.probe_interval_s, probe_timeout_s=d.probe_timeout_s,
+                           probe_misses=d.probe_misses)
 
     def limits(self) -> dict[str, Any]:
         """Keyword arguments for ``open_sandbox`` / ``SandboxPool``."""
@@ -467,6 +475,10 @@ class SFTCfg:
     steps: int = 150
     lr: float = 1e-3
     batch_size: int = 8
+    # the learning rate over the steps: constant, or warmup_cosine (linear from 0 over warmup_steps, then a cosine
+    # decay to 0 at the last step: the weights written are not one noisy step of a still-high rate)
+    schedule: str = "constant"
+    warmup_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -652,12 +664,17 @@ def preflight(cfg, *, need_paths: bool = True, training: bool = True) -> list[tu
 
         from jaxrl_term.sandbox.engines import EnginePool
 
+        d = cfg.sandbox.docker
+        settings = {k: d.get(k, v) for k, v in (("cooldown_s", 60.0), ("probe_interval_s", 5.0),
+                                                ("probe_timeout_s", 5.0), ("probe_misses", 2))}
         try:
             EnginePool(OmegaConf.to_container(hosts, resolve=True) if OmegaConf.is_config(hosts) else list(hosts),
-                       cooldown_s=float(cfg.sandbox.docker.get("cooldown_s", 60.0)))
+                       **settings)
         except (ValueError, TypeError) as e:
-            bad("sandbox.docker.hosts", str(e), "each entry: {url: unix://...|tcp://host:port|ssh://user@host, "
-                "capacity: N, name, tls_verify, ca_cert, client_cert, client_key}")
+            key = next((f"sandbox.docker.{k}" for k in settings if f"sandbox.docker.{k}=" in str(e)),
+                       "sandbox.docker.hosts")
+            bad(key, str(e), "each entry: {url: unix://...|tcp://host:port|ssh://user@host, capacity: N, name, "
+                "tls_verify, ca_cert, client_cert, client_key}" if key.endswith("hosts") else "")
     if cfg.reward.scoring not in ("weighted", "binary"):
         bad("reward.scoring", f"{cfg.reward.scoring!r}", "use weighted or binary")
     if cfg.reward.on_judge_missing not in ("renormalize", "wait"):

@@ -266,14 +266,16 @@ async def run_sft(cfg) -> dict:
         raise ValueError(f"sft.source={s.source}: token id {top} >= model.vocab_size={model.config.vocab_size}: "
                          "the episodes were tokenized for another model")
     ts = make_train_step(model.config, AlgoConfig(name="sft", loss="nll", microbatches=cfg.algo.microbatches),
-                         OptimConfig(lr=s.lr, weight_decay=0.0, grad_clip=1.0), mesh, options=model.options,
+                         OptimConfig(lr=s.lr, schedule=s.schedule, warmup_steps=s.warmup_steps, total_steps=s.steps,
+                                     weight_decay=0.0, grad_clip=1.0), mesh, options=model.options,
                          rules=rules)
     state = ts.init_state(nnx.to_pure_dict(nnx.state(model, nnx.Param)), seed=cfg.seed)
     state, losses = await asyncio.to_thread(finetune, ts, state, demos, steps=s.steps, batch_size=s.batch_size,
                                             seed=cfg.seed, buckets=tuple(cfg.trainer.buckets))
     dtype = "float32" if model.options.param_dtype == "float32" else "bfloat16"
     out = save_pretrained(ts.model(state.params), run_dir / "hf_final", dtype, tokenizer_dir=tok_path)
-    info = {"source": s.source, "demonstrations": len(demos), "steps": s.steps, "loss_first": float(losses[0]),
+    info = {"source": s.source, "demonstrations": len(demos), "steps": s.steps, "schedule": s.schedule,
+            "loss_first": float(losses[0]),
             "loss_last": float(losses[-1]), "seconds": time.monotonic() - t0, "hf_final": str(out)}
     (run_dir / "metrics.jsonl").write_text(dumps({"step": -1, **{f"warm_start/{k}": v for k, v in info.items()},
                                                   "warm_start/losses": [float(x) for x in losses]}) + "\n")
@@ -301,6 +303,10 @@ def main() -> None:
                     not p[0].startswith("data.")]
         if cfg.sft.steps < 1:
             problems.append(("sft.steps", f"{cfg.sft.steps} must be >= 1", ""))
+        if cfg.sft.schedule not in ("constant", "warmup_cosine"):
+            problems.append(("sft.schedule", f"{cfg.sft.schedule!r} is not a schedule", "constant or warmup_cosine"))
+        if not 0 <= cfg.sft.warmup_steps < cfg.sft.steps:
+            problems.append(("sft.warmup_steps", f"{cfg.sft.warmup_steps} must be in [0, sft.steps)", ""))
         if cfg.sft.source != "oracle" and not Path(cfg.sft.source).expanduser().exists():
             problems.append(("sft.source", f"{cfg.sft.source} does not exist", "oracle, a run dir of train / eval, "
                              "or a .jsonl of token_ids + loss_mask"))

@@ -1,7 +1,8 @@
 """Sandboxes over several Docker engines: a second Docker daemon started by this test on its own socket and data
-root; episodes of a rollout land on both (seen by their labels), the task image is built on the second engine
-on demand (its base image copied there first); killing the second daemon mid-episode sends the episodes to the
-first, the batch completes with the verifier's own rewards, and the reaper leaves nothing on either engine."""
+root; episodes of a rollout land on both, the task image is built on the second engine on demand (its base image
+copied there first); an engine that never answers costs no attempt; stopping (SIGSTOP) or killing the second
+daemon mid-episode sends the episodes to the first, the batch completes with the verifier's own rewards, a
+resumed engine rejoins after a probe, and the reaper leaves nothing on either engine (or only on the one named)."""
 
 import asyncio
 import os
@@ -34,13 +35,18 @@ def second_engine(docker_client):
 
 def test_placement_least_loaded_image_preferred_capacity_and_cool_down(monkeypatch):
     """EnginePool's choices (no Docker needed): least loaded, an engine with the image preferred, a full pool
-    waits, an engine that does not answer leaves the rotation and comes back after its cool-down."""
+    waits, an engine that does not answer leaves the rotation and comes back only when a probe after its
+    cool-down answers (a failed probe doubles the next cool-down)."""
     from jaxrl_term.sandbox.base import SandboxError
     from jaxrl_term.sandbox.engines import CURRENT, EnginePool
 
+    monkeypatch.setattr(EnginePool, "watch", lambda self: None)  # the watcher threads: the real-engine tests below
     pool = EnginePool([{"url": "unix:///nonexistent/a.sock", "capacity": 2, "name": "a"},
-                       {"url": "unix:///nonexistent/b.sock", "capacity": 1, "name": "b"}], cooldown_s=0.3)
+                       {"url": "unix:///nonexistent/b.sock", "capacity": 1, "name": "b"}], cooldown_s=0.3,
+                      probe_timeout_s=1)
     a, b = pool.engines
+    assert pool._pick(None) is None  # none has answered a probe yet
+    a.mark_up(), b.mark_up()  # (their first probes answered)
     assert pool._pick(None) is a  # both empty: the first
     a.open = 1
     assert pool._pick(None) is b  # 1/2 loaded vs 0/1
@@ -62,16 +68,23 @@ def test_placement_least_loaded_image_preferred_capacity_and_cool_down(monkeypat
         asyncio.run(use())
     assert CURRENT.get() is None and not a.healthy and a.failures == 1  # it does not answer: out of rotation
     assert pool._pick(None) is b
-    b.down_until = a.down_until
+    time.sleep(0.35)
+    assert a.probe_due and not a.healthy and pool._pick(None) is b  # its cool-down's end alone is not enough
+    assert not pool.probe(a) and not a.probe_due and a.down_until - time.monotonic() > 0.45  # silent: 0.6 s more
+    b.mark_down(0.01, "test")
+    time.sleep(0.02)
     t0 = time.monotonic()
     with pytest.raises(SandboxError, match="no Docker engine answers"):
-        asyncio.run(use())  # all out: waits for the first cool-down, asks again, still silent
-    assert time.monotonic() - t0 >= 0.2 and not a.healthy
+        asyncio.run(use())  # all out: probes the first whose cool-down ends, still silent
+    assert time.monotonic() - t0 < 0.3 and not b.healthy and b.backoff == 1
     b.down_until = time.monotonic() + 60
     with pytest.raises(SandboxError, match="does not answer"):  # a pinned place fails at once on a dead engine
         asyncio.run(use(on=b))
+    monkeypatch.setattr(type(a), "ping", lambda self, timeout_s=5.0: True)  # the engines answer again
     a.down_until = b.down_until = 0.0
-    assert a.healthy and b.healthy  # back after the cool-down
+    assert pool.probe(a) and pool.probe(b) and a.healthy and b.healthy  # back after a probe answers
+    assert a.left == b.left == a.rejoined == b.rejoined == 1 and a.backoff == b.backoff == 0
+    assert pool.metrics()["engine/a/out_s"] > 0.3 and pool.metrics()["engine/a/left"] == 0  # (counted once)
     a._client = b._client = object()  # (no client calls below)
     a.open, b.open = 2, 1
 
@@ -83,8 +96,6 @@ def test_placement_least_loaded_image_preferred_capacity_and_cool_down(monkeypat
     with pytest.raises(SandboxError, match="within 0s"):
         asyncio.run(use(timeout_s=0.1))  # all full: a bounded wait ends with an error naming the engines
     a.open = b.open = 0
-    a.down_until = b.down_until = 0.0
-    monkeypatch.setattr(type(a), "ping", lambda self, timeout_s=5.0: True)  # it answers, but refuses creates
 
     async def refused():  # what DockerSandbox.create counts when the engine refuses a container
         async with pool.place(on=a) as e:
@@ -101,6 +112,17 @@ def test_placement_least_loaded_image_preferred_capacity_and_cool_down(monkeypat
             asyncio.run(refused())
     assert not a.healthy and b.healthy and a.failures == 9
     assert pool._pick(None) is b
+    # at start-up no engine has answered yet: all are probed at once, so a dead first one costs no attempt
+    fresh = EnginePool([{"url": "unix:///nonexistent/c.sock", "name": "c"}, {"url": "unix:///nonexistent/d.sock",
+                                                                           "name": "d"}])
+    monkeypatch.setattr(type(a), "ping", lambda self, timeout_s=5.0: self.name == "d")
+    fresh.engines[1]._client = object()
+
+    async def first():
+        async with fresh.place() as e:
+            return e.name
+
+    assert asyncio.run(first()) == "d" and not fresh.engines[0].healthy and fresh.engines[1].healthy
     with pytest.raises(ValueError, match="capacity"):
         EnginePool([{"url": "unix:///x", "capacity": 0}])
     with pytest.raises(ValueError, match=r"hosts\[0\].url='node1:2376': use unix://, tcp://"):
@@ -111,7 +133,59 @@ def test_placement_least_loaded_image_preferred_capacity_and_cool_down(monkeypat
         EnginePool([{"url": "tcp://node1:2376", "tls_verify": True}])
     with pytest.raises(ValueError, match="listed twice"):
         EnginePool([{"url": "unix:///x"}, {"url": "unix:///x"}])
+    with pytest.raises(ValueError, match="probe_misses=0"):
+        EnginePool([{"url": "unix:///x"}], probe_misses=0)
     assert [e.name for e in EnginePool(["unix:///x", "unix:///y"]).engines] == ["e0", "e1"]
+
+
+def test_a_cut_fails_the_places_still_held_once_and_leaves_real_cancellations_alone(monkeypatch):
+    """``EnginePool._cut`` (an engine that stopped answering) from another thread: a place still held fails with a
+    SandboxError (once, also for a nested place of the same task: a verifier's fresh sandbox); a place left
+    before the cancel reaches its loop is spared; a real cancellation arriving with the cut stays one."""
+    from jaxrl_term.sandbox.base import SandboxError
+    from jaxrl_term.sandbox.engines import EnginePool
+
+    monkeypatch.setattr(EnginePool, "watch", lambda self: None)
+    pool = EnginePool([{"url": "unix:///nonexistent/a.sock", "capacity": 4, "name": "a"}], probe_timeout_s=0.1)
+    (a,) = pool.engines
+    a.mark_up()
+    a._client = object()
+    monkeypatch.setattr(type(a), "ping", lambda self, timeout_s=5.0: True)
+
+    async def held(nested: bool):
+        async with pool.place():
+            if nested:
+                async with pool.place(on=a):
+                    await asyncio.sleep(30)
+            await asyncio.sleep(30)
+
+    async def cut_while(coro, *, also_cancel: bool = False):
+        task = asyncio.create_task(coro)
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(pool._cut, a)  # the watcher's thread
+        if also_cancel:
+            task.cancel()
+        try:
+            return await asyncio.wait_for(task, 5)
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    for nested in (False, True):
+        a.in_rotation = True
+        err = asyncio.run(cut_while(held(nested)))
+        assert isinstance(err, SandboxError) and "stopped answering" in str(err), err
+        assert a.open == 0 and not a.holders and not a.cut
+    assert isinstance(asyncio.run(cut_while(held(False), also_cancel=True)), asyncio.CancelledError)
+
+    async def spared():  # the cut's cancel reaches the loop after the place was left: nothing is cancelled
+        place = pool.place()
+        await place.__aenter__()
+        pool._cut(a)  # on the loop's own thread: its cancel runs after this coroutine next yields ...
+        await place.__aexit__(None, None, None)  # ... which is after the place let go (its exit pings a)
+        await asyncio.sleep(0.05)
+        return "not cancelled"
+
+    assert asyncio.run(spared()) == "not cancelled"
 
 
 def _engines(url2, capacity=2):
@@ -131,60 +205,6 @@ def _pipeline(tasks, tok, engine, pool, **kw):
                            groups_per_step=2, sampling=SamplingParams(max_new_tokens=64),
                            limits=AgentLimits(max_turns=3, max_context_tokens=4096), backend="docker", pool=pool,
                            drop_zero_variance=False, max_concurrent_episodes=4, **kw)
-
-
-async def _watch(clients: dict, seen: dict, stop: asyncio.Event):
-    """Which sandbox containers (by label) each engine ran."""
-    while not stop.is_set():
-        for name, cl in clients.items():
-            try:
-                for c in await asyncio.to_thread(cl.containers.list, all=True,
-                                                 filters={"label": "jaxrl_term.group"}, sparse=True):
-                    seen[name].add(c.id)
-            except Exception:  # noqa: BLE001 - the engine was killed
-                pass
-        await asyncio.sleep(0.1)
-
-
-def test_episodes_land_on_both_engines_and_images_are_built_where_needed(second_engine, tiny_tokenizer_dir):
-    import docker
-
-    from jaxrl_term.agent.actions import SENTINEL
-    from jaxrl_term.model.tokenizer import load_tokenizer
-    from jaxrl_term.sandbox.base import SandboxPool
-    from jaxrl_term.tasks.builtin import generate
-
-    tok = load_tokenizer(tiny_tokenizer_dir)
-    two = docker.DockerClient(base_url=second_engine["url"])
-    assert two.images.list() == []  # a new engine: nothing on it
-    tasks = [generate("create_file", "easy", seed=11), generate("count_matches", "easy", seed=12)]
-    engines = _engines(second_engine["url"])
-    engine = SessionEngine(tok, [f"```bash\nsleep 2; echo {SENTINEL}\n```"])
-
-    async def main():
-        pool = SandboxPool("docker", max_concurrent=4, engines=engines)
-        pipe = _pipeline(tasks, tok, engine, pool)
-        seen = {"one": set(), "two": set()}
-        stop = asyncio.Event()
-        watcher = asyncio.create_task(_watch({"one": docker.from_env(), "two": two}, seen, stop))
-        pipe.start()
-        try:
-            batch = await asyncio.wait_for(pipe.get_batch(0), 600)
-        finally:
-            await pipe.stop()
-            stop.set()
-            await watcher
-        return batch, pipe.take_counters(), seen
-
-    batch, counters, seen = asyncio.run(main())
-    assert len(batch) == 2 and all(g.rewards == [0.0, 0.0] for g in batch)  # the verifier's: no work, 0
-    assert seen["one"] and seen["two"], seen  # the episodes landed on both engines
-    assert counters["engine/one/created"] + counters["engine/two/created"] >= 4
-    assert counters["engine/two/created"] >= 1 and counters["engine/two/up"] == 1.0
-    tags = [t for img in two.images.list() for t in img.tags]
-    assert any(t.startswith("jaxrl-term/base:") for t in tags)  # copied there for the build ...
-    assert any(not t.startswith("jaxrl-term/base:") for t in tags), tags  # ... and a task image built there
-    assert two.containers.list(all=True, filters={"label": "jaxrl_term.group"}) == []
 
 
 def test_killed_engine_episodes_are_retried_on_the_other_and_nothing_is_left(second_engine, tiny_tokenizer_dir):
@@ -249,6 +269,115 @@ def test_killed_engine_episodes_are_retried_on_the_other_and_nothing_is_left(sec
         assert cl.containers.list(all=True, filters={"label": f"{LABEL_RUN}={RUN_ID}"}) == []
 
 
+def test_a_dead_or_hung_engine_costs_no_attempt_and_a_resumed_one_rejoins(second_engine, tiny_tokenizer_dir):
+    """(a) an engine that never answers, through many cool-downs, while another is healthy: no attempt is charged
+    and every episode passes; (b) episodes land on a new second engine (its base images copied there, the task
+    image built there), which is stopped (SIGSTOP) while it holds them: out of rotation within ``hang_bound_s``,
+    its episodes retried on the first, none dropped; (c) resumed (SIGCONT): a probe puts it back, the containers
+    it was left holding are removed and the next batch uses both engines; (d) ``reap --host`` of one engine
+    leaves the other's containers alone."""
+    import signal
+
+    import docker
+
+    from jaxrl_term.agent.actions import SENTINEL
+    from jaxrl_term.model.tokenizer import load_tokenizer
+    from jaxrl_term.sandbox.base import SandboxPool
+    from jaxrl_term.sandbox.docker import LABEL_RUN
+    from jaxrl_term.sandbox.docker import main as reap_cli
+    from jaxrl_term.sandbox.engines import EnginePool
+    from jaxrl_term.tasks.builtin import generate
+
+    tok = load_tokenizer(tiny_tokenizer_dir)
+    task = generate("create_file", "easy", seed=21)
+    solve = task.solution.files["solve.sh"].data.decode().split("\n", 2)[2]  # the oracle's commands
+    two = docker.DockerClient(base_url=second_engine["url"])
+    assert two.images.list() == []  # a new engine: nothing on it
+    pid = second_engine["proc"].pid  # dockerd itself (unshare execs it)
+
+    def running_on_two():
+        try:
+            return two.containers.list(all=True, filters={"label": "jaxrl_term.group"}, sparse=True)
+        except Exception:  # noqa: BLE001 - stopped: it does not answer
+            return []
+
+    async def batch(engines, first_reply, side=None):
+        pool = SandboxPool("docker", max_concurrent=4, engines=engines)
+        llm = SessionEngine(tok, [f"```bash\n{first_reply}{solve}```", f"```bash\necho {SENTINEL}\n```"])
+        pipe = _pipeline([task] * 2, tok, llm, pool, max_episode_retries=2)
+        pipe.start()
+        watcher = asyncio.create_task(side()) if side else None
+        try:
+            out = await asyncio.wait_for(pipe.get_batch(0), 600)
+        finally:
+            await pipe.stop()
+        return out, pipe.take_counters(), (await watcher if watcher else None)
+
+    def retried(counters):
+        return sum(v for k, v in counters.items() if k.startswith("pipeline/retry_"))
+
+    # (a) an engine on a socket that does not exist, cool-down 0.2 s: the issue's 1-2 of 12 dropped
+    dead = EnginePool([{"url": DEFAULT, "capacity": 2, "name": "one"},
+                       {"url": "unix:///nonexistent/gone.sock", "capacity": 2, "name": "gone"}],
+                      cooldown_s=0.2, probe_interval_s=0.2, probe_timeout_s=1)
+    groups, counters, _ = asyncio.run(batch(dead, ""))
+    dead.close()
+    assert [g.rewards for g in groups] == [[1.0, 1.0]] * 2 and retried(counters) == 0, counters
+    assert counters["engine/gone/created"] == 0 and counters["engine/gone/left"] == 1
+    assert dead.engines[1].probes_failed >= 2  # probed after each cool-down, never given an attempt
+
+    # (b) the second engine hangs with episodes on it
+    pool = EnginePool([{"url": DEFAULT, "capacity": 2, "name": "one"},
+                       {"url": second_engine["url"], "capacity": 2, "name": "two"}],
+                      cooldown_s=1, probe_interval_s=0.5, probe_timeout_s=1, probe_misses=2)
+    assert pool.hang_bound_s == 3.0
+
+    async def stop_two():
+        while not await asyncio.to_thread(running_on_two):
+            await asyncio.sleep(0.1)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while pool.engines[1].healthy:
+            await asyncio.sleep(0.02)
+        return time.monotonic() - t0
+
+    try:
+        groups, counters, out_after = asyncio.run(batch(pool, "sleep 3\n", stop_two))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert out_after <= pool.hang_bound_s + 1.0, out_after  # (+1 s: a loaded 2-core machine's scheduling)
+    assert [g.rewards for g in groups] == [[1.0, 1.0]] * 2, counters  # none dropped, none scored 0
+    assert counters["engine/two/hung"] == 1 and 1 <= retried(counters) <= 2, counters
+    assert not counters.get("pipeline/episodes_failed"), counters
+    tags = [t for img in two.images.list() for t in img.tags]
+    assert any(t.startswith("jaxrl-term/base:") for t in tags)  # copied there for the build ...
+    assert any(not t.startswith("jaxrl-term/base:") for t in tags), tags  # ... and the task image built there
+
+    # (c) resumed: back after a probe; what it held is removed; it takes sandboxes again
+    t0 = time.monotonic()
+    while not (pool.engines[1].healthy and not running_on_two()):
+        assert time.monotonic() - t0 < 30, (pool.describe(), [c.attrs for c in running_on_two()])
+        time.sleep(0.1)
+    groups, counters, _ = asyncio.run(batch(pool, ""))
+    pool.close()
+    assert [g.rewards for g in groups] == [[1.0, 1.0]] * 2, counters
+    assert counters["engine/one/created"] >= 1 and counters["engine/two/created"] >= 1, counters
+    assert retried(counters) == 0 and counters["engine/two/up"] == 1.0
+    assert pool.engines[1].rejoined == 1 and counters["engine/two/out_s"] > 1.0
+
+    # (d) a dead run's containers on both engines; reaping one host leaves the other's
+    one = docker.from_env()
+    dead_run = f"jrt-test-dead-{os.getpid()}"
+    made = [cl.containers.create("jaxrl-term/base:trixie", "true", labels={LABEL_RUN: dead_run}) for cl in (one, two)]
+    try:
+        assert reap_cli(["reap", "--run", dead_run, "--host", second_engine["url"]]) == 0
+        assert two.containers.list(all=True, filters={"label": f"{LABEL_RUN}={dead_run}"}) == []
+        assert [c.id for c in one.containers.list(all=True, filters={"label": f"{LABEL_RUN}={dead_run}"})] == \
+            [made[0].id]
+    finally:
+        made[0].remove(force=True)
+
+
 def test_a_tiny_training_step_places_episodes_on_both_engines(second_engine, tmp_path):
     """The preset route: ``sandbox.docker.hosts`` from the command line, a real training step (tiny model)."""
     import json
@@ -265,6 +394,11 @@ def test_a_tiny_training_step_places_episodes_on_both_engines(second_engine, tmp
     created = {n: sum(m.get(f"engine/{n}/created", 0) for m in steps) for n in ("one", "two")}
     assert created["one"] >= 1 and created["two"] >= 1, created  # 4 episodes over both engines
     assert all(m["engine/two/up"] == 1.0 for m in steps if "engine/two/up" in m)
+    from jaxrl_term.report.load import load_run
+    from jaxrl_term.report.tables import engine_rows
+
+    rows = {r[0]: r for r in engine_rows(load_run(run_dir))}  # the report's engine table
+    assert rows["two"][1] == str(created["two"]) and rows["two"][3:5] == ["0", "0"] and rows["two"][-1] == "yes"
 
 
 @pytest.fixture
@@ -360,6 +494,18 @@ def test_tls_and_ssh_engines_run_the_shell_files_stdin_and_the_verifier(tls_engi
     finally:
         default.images.remove("jaxrl-test/prebuilt:engines")
 
+    # reap --host NAME: the TLS engine of the composed config, reached with its certificates (and only it)
+    from jaxrl_term.sandbox.docker import LABEL_RUN
+    from jaxrl_term.sandbox.docker import main as reap_cli
+
+    dead = f"jrt-test-dead-{os.getpid()}"
+    there.containers.create("jaxrl-term/base:trixie", "true", labels={LABEL_RUN: dead})
+    hosts = "sandbox.docker.hosts=[{" + ",".join(f"{k}:'{v}'" if isinstance(v, str) else f"{k}:{str(v).lower()}"
+                                                 for k, v in tls.items()) + "}]"
+    assert reap_cli(["reap", "--run", dead, "--host", "tls", "--", hosts]) == 0
+    assert there.containers.list(all=True, filters={"label": f"{LABEL_RUN}={dead}"}) == []
+    assert reap_cli(["reap", "--run", dead, "--host", "nosuch", "--", hosts]) == 2  # neither a URL nor a name
+
 
 def test_engine_dying_under_the_verifier_is_an_error_not_sabotage(second_engine):
     """The engine dies after the agent's last turn: the verifier cannot restart the container; that is
@@ -412,3 +558,6 @@ def test_preflight_names_a_bad_engine_entry_before_anything_connects(tmp_path):
     assert "hosts[0].ca_cert='/nonexistent/ca.pem': no such file" in what
     (_, what, _), = problems("[{url:'node1:2376'}]")
     assert "use unix://, tcp://" in what
+    bad = [p for p in preflight(compose(["sandbox.docker.hosts=[{url:'unix:///a'}]", "sandbox.docker.probe_misses=0"]),
+                                need_paths=False) if p[0].startswith("sandbox.docker")]
+    assert [p[0] for p in bad] == ["sandbox.docker.probe_misses"] and "must be an integer >= 1" in bad[0][1]

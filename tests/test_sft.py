@@ -25,11 +25,13 @@ def test_sft_from_a_teacher_jsonl_writes_a_policy_that_learned_the_demonstration
     assert len(episodes_from(str(tmp_path / "teacher.jsonl"))) == 4  # no policy token: not a demonstration
     out = tmp_path / "run"
     r = run_stacked([sys.executable, "-m", "jaxrl_term.sft", f"sft.source={tmp_path / 'teacher.jsonl'}",
-                     "sft.steps=30", "sft.lr=3e-3", "sft.batch_size=2", "trainer.buckets=[64]", f"run_dir={out}"],
+                     "sft.steps=30", "sft.lr=3e-3", "sft.batch_size=2", "sft.schedule=warmup_cosine",
+                     "sft.warmup_steps=3", "trainer.buckets=[64]", f"run_dir={out}"],
                     cwd=REPO, timeout=600, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads((out / "summary.json").read_text())
-    assert info["demonstrations"] == 4 and info["loss_last"] < 0.5 * info["loss_first"]
+    assert info["demonstrations"] == 4 and info["schedule"] == "warmup_cosine"
+    assert info["loss_last"] < 0.5 * info["loss_first"]
     from jaxrl_term.model.hf import load_pretrained
 
     model = load_pretrained(out / "hf_final")  # what train (model.path) and eval (policy.path) load
@@ -37,8 +39,9 @@ def test_sft_from_a_teacher_jsonl_writes_a_policy_that_learned_the_demonstration
     greedy = np.asarray(logits[0, 39:51].argmax(-1)).tolist()
     assert sum(a == b for a, b in zip(greedy, reply)) >= 10  # it reproduces the demonstrated reply
     bad = subprocess.run([sys.executable, "-m", "jaxrl_term.sft", f"sft.source={tmp_path / 'none'}",
-                          f"run_dir={tmp_path / 'bad'}"], cwd=REPO, capture_output=True, text=True, env=ENV)
-    assert bad.returncode == 2 and "config error: sft.source" in bad.stderr
+                          "sft.schedule=linear", f"run_dir={tmp_path / 'bad'}"], cwd=REPO, capture_output=True,
+                         text=True, env=ENV)
+    assert bad.returncode == 2 and "config error: sft.source" in bad.stderr and "sft.schedule" in bad.stderr
 
 
 def test_sft_takes_only_the_successful_episodes_of_a_run(tmp_path):

@@ -31,14 +31,19 @@ class ScriptedShell:
         return CommandResult(self.outputs[command], 0, False, False, 0.0)
 
 
-async def episodes(specs, looks, tokenizer, agent_cfg) -> list:
-    """One demonstration episode per (spec, look)."""
+async def episodes(specs, looks, tokenizer, agent_cfg, restate: bool = False) -> list:
+    """One demonstration episode per (spec, look); ``restate``: ``family.demo``'s."""
     from jaxrl_term.agent.loop import run_episode
     from jaxrl_term.rollout.oracle import ReplayEngine
 
     out = []
+    cap = agent_cfg.limits().max_tokens_per_turn
     for spec, look in zip(specs, looks):
-        replies, outputs = family.demo(spec, look)
+        replies, outputs = family.demo(spec, look, restate)
+        longest = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) + 1 for r in replies)  # + <|im_end|>
+        if longest > cap:  # the sampler would cut it there: a demonstration the policy could not reproduce
+            raise RuntimeError(f"a demonstration reply of {family.task_id(spec)} is {longest} tokens, over "
+                               f"agent.max_tokens_per_turn={cap}: shorten family.REASON*")
         traj = await run_episode(family.to_task(spec), ReplayEngine(tokenizer, replies), ScriptedShell(outputs),
                                  tokenizer, agent_cfg.scaffold_obj(), limits=agent_cfg.limits(),
                                  enable_thinking=agent_cfg.enable_thinking)
@@ -49,7 +54,7 @@ async def episodes(specs, looks, tokenizer, agent_cfg) -> list:
 
 
 def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n_rl: int, n_heldout: int,
-            heldout_seed: int, tokenizer, agent_cfg, dev: bool = False, n_dev: int = 0) -> dict:
+            heldout_seed: int, tokenizer, agent_cfg, dev: bool = False, n_dev: int = 0, restate: bool = False) -> dict:
     """Write ``root``/{train.parquet, heldout.parquet, sft_<seed>.jsonl, data.json}; return data.json's content.
 
     SFT demonstrations (one set per SFT seed): the teacher looks first in ``look_frac`` of them (on any task);
@@ -58,7 +63,8 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
     the same for every run. Held-out tasks: one set for every run, avoiding every SFT/RL instruction's word
     n-grams; the experiment refuses to go on unless every overlap count is 0. ``dev``: the dev check instead
     (SFT/RL data without the dev cells, "held-out" = tasks on the dev cells; see ``family.cell_split``).
-    ``n_dev``: the three-way split (``generate``), the dev tasks in ``dev.parquet``.
+    ``n_dev``: the three-way split (``generate``), the dev tasks in ``dev.parquet``. ``restate``: the teacher's
+    reasoning repeats the instruction's parameters (``family.demo``; change 14).
     """
     from jaxrl_term.tasks.formats import save_parquet
 
@@ -73,11 +79,14 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
             raise RuntimeError(f"{root} holds other tasks than this code generates (tasks_sha256 "
                                f"{info['tasks_sha256'][:12]}, now {made[:12]}: family.py or data.py changed since): "
                                "give run.py a new --root")
+        if info.get("restate", False) != restate:
+            raise RuntimeError(f"{root} holds SFT demonstrations made with restate={info.get('restate', False)}, "
+                               f"not {restate}: give run.py a new --root")
         return info
     root.mkdir(parents=True, exist_ok=True)
     rl_specs, heldout = specs["rl"], specs["heldout"]
     info: dict = {"sft": {}, "rl_tasks": len(rl_specs), "rl_default_ok": sum(s.default_ok for s in rl_specs),
-                  "tasks_sha256": made}
+                  "tasks_sha256": made, "restate": restate}
     # every reserved cell is tested, checked before the demonstrations are made (the 8-gram filter can starve one)
     for name, split in [("heldout", "dev")] if dev else [("heldout", "heldout"), ("dev", "dev")]:
         if name not in specs:
@@ -89,7 +98,7 @@ def prepare(root: Path, *, sft_seeds: list[int], n_sft: int, look_frac: float, n
                                f"(family.ASK/INTRO[{split!r}] share words with training frames)")
         info[f"{name}_ops"] = {op: sum(s.op == op for s in specs[name]) for op in family.OPS}
     for seed in sft_seeds:
-        trajs = asyncio.run(episodes(specs[f"sft_{seed}"], looks[seed], tokenizer, agent_cfg))
+        trajs = asyncio.run(episodes(specs[f"sft_{seed}"], looks[seed], tokenizer, agent_cfg, restate))
         tmp = root / f"sft_{seed}.jsonl.tmp"
         tmp.write_text("".join(json.dumps({"token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
                                            "task": t.task_id, "kind": "look" if look else "assume"}) + "\n"

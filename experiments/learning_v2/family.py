@@ -106,6 +106,17 @@ REASON = {
     "act": "Now I know the delimiter{hdr}, so I will compute the answer with awk.",
     "done": "The result is written, so the task is done.",
 }
+# The teacher restating the instruction's parameters next to each command (``demo(restate=True)``, change 14): the
+# key phrase with its field and the input path are copied verbatim from the instruction into the reasoning, and the
+# command written right after repeats them at a short distance. Each demonstration then copies the parameters twice
+# per command, and in two contexts (prose and awk), where the plain teacher copies them once. Short enough that
+# every reply fits agent.max_tokens_per_turn (96; data.episodes checks).
+REASON_RESTATED = {
+    "assume": "It is comma separated, so from {src} I write {what}.",
+    "look": "I do not know the format of {src} yet, so I will look at its first lines.",
+    "act": "I know the delimiter{hdr}: from {src} I write {what}.",
+    "done": REASON["done"],
+}
 NGRAM = 8  # word n-grams a held-out instruction may not share with any SFT/RL instruction
 # (the first "values" key phrase is 8 words, "the values of field $3 in file order": every held-out or dev
 # instruction with it is rejected, so those use the second one; found in change 12, kept: it only filters more)
@@ -291,18 +302,22 @@ def _reply(reason: str, cmd: str) -> str:
     return f"{reason}\n```bash\n{cmd}\n```"
 
 
-def demo(spec: Spec, look: bool) -> tuple[list[str], dict[str, str]]:
+def demo(spec: Spec, look: bool, restate: bool = False) -> tuple[list[str], dict[str, str]]:
     """A teacher's demonstration: (replies, {command: the output the sandbox prints for it}). ``look``: read
-    the file's head first, then act on its format; else assume the default (comma, no header)."""
-    done = _reply(REASON["done"], f"echo {SENTINEL}")
+    the file's head first, then act on its format; else assume the default (comma, no header). ``restate``: the
+    reasoning repeats the instruction's key phrase and input path (``REASON_RESTATED``)."""
+    reason = REASON_RESTATED if restate else REASON
+    what, src = spec.template[2].format(k=spec.k), spec.src
+    done = _reply(reason["done"], f"echo {SENTINEL}")
     outputs = {f"echo {SENTINEL}": SENTINEL + "\n"}
     if not look:
         cmd = command(spec, DEFAULT_DELIM, False)
-        return [_reply(REASON["assume"], cmd), done], {cmd: "", **outputs}
+        return [_reply(reason["assume"].format(what=what, src=src), cmd), done], {cmd: "", **outputs}
     peek = f"head -n 3 {spec.src}"
     act = command(spec, spec.delim, spec.header)
     hdr = " and skip the header line" if spec.header else ""
-    return ([_reply(REASON["look"], peek), _reply(REASON["act"].format(hdr=hdr), act), done],
+    return ([_reply(reason["look"].format(src=src), peek),
+             _reply(reason["act"].format(hdr=hdr, what=what, src=src), act), done],
             {peek: "".join(ln + "\n" for ln in spec.lines[:3]), act: "", **outputs})
 
 

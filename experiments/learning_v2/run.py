@@ -95,7 +95,8 @@ def prepare(root: Path, sc: dict) -> dict:
     tok, _ = build_tokenizer(cfg.model, Path(os.path.expanduser(cfg.cache_dir)))
     return data.prepare(root / "data", sft_seeds=sc["sft_seeds"], n_sft=sc["n_sft"], look_frac=sc["look_frac"],
                         n_rl=sc["n_rl"], n_heldout=sc["n_heldout"], heldout_seed=sc["heldout_seed"], tokenizer=tok,
-                        agent_cfg=OmegaConf.to_object(cfg.agent), dev=sc.get("dev", False), n_dev=sc.get("n_dev", 0))
+                        agent_cfg=OmegaConf.to_object(cfg.agent), dev=sc.get("dev", False), n_dev=sc.get("n_dev", 0),
+                        restate=sc.get("restate", False))
 
 
 def sft(root: Path, seed: int, extra: list[str]) -> Path:
@@ -194,6 +195,9 @@ def main() -> None:
                          "recorded in settings.json")
     ap.add_argument("--look-frac", type=float, default=None,
                     help="the SFT mix's look share (default: the scale's); recorded in settings.json")
+    ap.add_argument("--restate", action="store_true",
+                    help="the teacher's reasoning repeats the instruction's parameters (family.demo; change 14); "
+                         "recorded in settings.json")
     ap.add_argument("--sft-seeds", type=int, nargs="+", default=None,
                     help="the SFT seeds (default: the scale's); recorded in settings.json")
     ap.add_argument("--root", default="runs/learning_v2")
@@ -207,7 +211,7 @@ def main() -> None:
     scale = "pilot" if args.pilot else "dev" if args.dev else "full"
     sc = {**SCALES[scale], **({"sft_set": args.sft_set} if args.sft_set else {}),
           **({"look_frac": args.look_frac} if args.look_frac is not None else {}),
-          **({"sft_seeds": args.sft_seeds} if args.sft_seeds else {})}
+          **({"sft_seeds": args.sft_seeds} if args.sft_seeds else {}), **({"restate": True} if args.restate else {})}
     root = (REPO / args.root / ("" if scale == "full" else scale)).resolve()
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -106,6 +106,8 @@ def sections(run: Run) -> list[Section]:
     if run.kind == "train":
         out.append(("steps", f"Steps ({len(run.steps)})",
                     table(tables.STEP_HEAD, tables.step_rows(run)) if run.steps else "<p>none yet</p>"))
+        if tables.engine_rows(run):
+            out.append(("engines", "Docker engines", table(tables.ENGINE_HEAD, tables.engine_rows(run))))
     sources = "".join(f'<option value="{html.escape(s)}">{html.escape(s)}</option>'
                       for s in dict.fromkeys(t["source"] for t in run.transcripts))
     browser = ('<div class="browser"><div class="list-pane"><div class="controls">'

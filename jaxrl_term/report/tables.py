@@ -11,6 +11,7 @@ Rows = list[list[str]]
 GROUP_HEAD = ["", "tasks", "attempts", "pass@1", "pass@k"]
 STEP_HEAD = ["step", "reward", "pass rate", "loss", "grad norm", "turns", "tokens", "step s"]
 EVAL_HEAD = ["step", "pass@1", "± std", "pass@k", "k", "tasks", "attempts"]
+ENGINE_HEAD = ["engine", "sandboxes", "failed", "left rotation", "of which hung", "out of rotation s", "in rotation"]
 # an evaluation summary's key -> the config key it repeats
 SUMMARY_KEYS: dict[str, str | None] = {"policy": "policy.kind", "source": "data.source", "split": "data.split",
                                        "scaffold": "agent.scaffold", "path": "policy.path", "step": None}
@@ -142,6 +143,25 @@ def eval_rows(run: Run) -> Rows:
             for m in run.eval_points]
 
 
+def engine_rows(run: Run) -> Rows:
+    """Per Docker engine of ``sandbox.docker.hosts`` (``engine/NAME/*`` step metrics): sandboxes opened, failed,
+    times out of rotation (and how many for missed liveness probes), seconds out, and whether it is in rotation at
+    the last step that reports it."""
+    names = sorted({k.split("/")[1] for m in run.steps for k in m if k.startswith("engine/") and k.count("/") == 2})
+    rows = []
+    for n in names:
+        seen = [m for m in run.steps if f"engine/{n}/up" in m]
+
+        def total(key: str) -> str:
+            return count(sum(as_float(m.get(f"engine/{n}/{key}")) or 0 for m in seen))
+
+        last = seen[-1] if seen else {}
+        up = as_float(last.get(f"engine/{n}/up"))
+        rows.append([n, total("created"), total("failures"), total("left"), total("hung"),
+                     seconds(last.get(f"engine/{n}/out_s", 0.0)), "-" if up is None else ("yes" if up else "no")])
+    return rows
+
+
 def warm_start_rows(run: Run) -> Rows:
     return [[k, num(v) if as_float(v) is not None else str(v)] for k, v in run.warm_start.items()
             if not isinstance(v, list | dict)]
@@ -183,5 +203,7 @@ def render_markdown(run: Run) -> str:
         if run.evals:
             lines += score_markdown(run.headline, f"Latest held-out evaluation (step {max(run.evals)})")
         lines += ["## Steps", "", md_table(STEP_HEAD, step_rows(run)) if run.steps else "No training step yet.", ""]
+        if engine_rows(run):
+            lines += ["## Docker engines", "", md_table(ENGINE_HEAD, engine_rows(run)), ""]
     lines.append(f"{len(run.transcripts)} transcript(s): see report.html.")
     return "\n".join(lines) + "\n"

@@ -234,9 +234,18 @@ class Project:
 
     async def close(self) -> None:
         """Every container labelled with this project (also one whose creation was cancelled half-way), then
-        the network."""
+        the network. On an engine of a pool that is out of rotation (it stopped answering) nothing is asked of
+        it: what is known is removed when a probe finds it back (``engines.EnginePool.probe``), the rest by the
+        reaper."""
         from jaxrl_term.sandbox.docker import _call
+        from jaxrl_term.sandbox.engines import CURRENT
 
+        engine = CURRENT.get()
+        if engine is not None and not engine.healthy:
+            for c in self.containers:
+                engine.orphan("container", c.id)
+            engine.orphan("network", self.network)
+            return
         try:
             listed = await _call(self.client.containers.list, all=True, sparse=True,
                                  filters={"label": f"{PROJECT_LABEL}={self.network}"})

@@ -32,6 +32,7 @@ import os
 import posixpath
 import socket
 import struct
+import sys
 import tarfile
 import uuid
 from pathlib import Path
@@ -81,11 +82,27 @@ async def _call(fn, *args, **kwargs):
     return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(ctx.run, fn, *args, **kwargs))
 
 
-def _remove_when_created(create: asyncio.Future) -> None:
-    """Done-callback of a container create whose caller was cancelled: remove the container it made, if any."""
+def _remove_when_created(create: concurrent.futures.Future) -> None:
+    """Done-callback of a container create whose caller was cancelled: remove the container it made, if any. On
+    the thread's future, not an asyncio one: it runs even when the event loop ended first (a run stopping while
+    an engine hangs under a create)."""
     if create.cancelled() or create.exception() is not None:
         return
     _POOL.submit(_quiet, create.result().remove, force=True, v=True)
+
+
+def _removed(container) -> bool:
+    """Remove a container (and its anonymous volumes); whether it is gone (False: the engine did not answer)."""
+    import docker
+
+    try:
+        container.remove(force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except Exception as e:  # noqa: BLE001 - the engine is down, or refused
+        log.debug("removing container %s: %s", container.short_id, e)
+        return False
+    return True
 
 
 def _quiet(fn, *args, **kwargs) -> None:
@@ -566,9 +583,10 @@ class DockerSandbox:
         import time as _time
 
         t_create = _time.monotonic()
-        create = asyncio.ensure_future(_call(client().containers.run, image, [toolkit.PAUSE], **run_kwargs))
+        ctx = contextvars.copy_context()
+        create = _POOL.submit(ctx.run, functools.partial(client().containers.run, image, [toolkit.PAUSE], **run_kwargs))
         try:
-            container = await asyncio.shield(create)
+            container = await asyncio.shield(asyncio.wrap_future(create))
         except asyncio.CancelledError:  # the create goes on in its thread: remove what it makes
             create.add_done_callback(_remove_when_created)
             raise
@@ -624,7 +642,10 @@ class DockerSandbox:
         try:
             pids_file = await _call(_pids_current_file, container) if local_engine else None
         except BaseException:  # cancelled or failed before the sandbox exists to close it
-            await asyncio.shield(_call(_quiet, container.remove, force=True, v=True))
+            if engine is not None and not engine.healthy:  # it stopped answering: removed when it is back
+                engine.orphan("container", container.id)
+            elif not await asyncio.shield(_call(_removed, container)) and engine is not None:
+                engine.orphan("container", container.id)
             raise
 
         # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
@@ -916,8 +937,60 @@ class DockerSandbox:
         self._closed = True
         try:
             await self.shell.close()
-        finally:  # the container goes even when this close is cancelled (an attempt's deadline, a stopping run)
-            await asyncio.shield(_call(_quiet, self.container.remove, force=True, v=True))  # gone already: fine
+        finally:
+            engine = getattr(self, "engine", None)
+            # out of rotation (it may never answer: hung), or a removal it did not answer (killed): the container
+            # is removed when a probe finds it back (EnginePool.probe); else it goes now, even when this close is
+            # cancelled (an attempt's deadline, a stopping run)
+            if (engine is not None and not engine.healthy) or \
+                    not await asyncio.shield(_call(_removed, self.container)):
+                if engine is not None:
+                    engine.orphan("container", self.container.id)
+
+
+def reap_targets(hosts: list[str], all_hosts: bool, overrides: list[str]) -> list:
+    """The engines ``reap`` acts on: ``hosts`` (URLs or configured names) and, with ``all_hosts``, every engine of
+    the composed config's ``sandbox.docker.hosts``; a configured engine keeps its name and TLS files."""
+    from jaxrl_term.sandbox.engines import Engine, EnginePool, HostCfg
+
+    configured = []
+    if all_hosts or hosts:
+        try:
+            from omegaconf import OmegaConf
+
+            from jaxrl_term.plan import compose
+
+            listed = OmegaConf.to_container(compose(overrides).sandbox.docker.hosts, resolve=True)
+        except Exception:  # noqa: BLE001 - no config to read (hosts given by URL need none)
+            if all_hosts:
+                raise
+            listed = []
+        configured = EnginePool(listed).engines if listed else []
+        if all_hosts and not configured:
+            raise ValueError("--all-hosts: the composed config has no sandbox.docker.hosts (pass the run's overrides "
+                             "after --)")
+    out = list(configured) if all_hosts else []
+    for i, h in enumerate(dict.fromkeys(hosts)):
+        known = next((e for e in configured if h in (e.url, e.name)), None)
+        if known is None and "://" not in h:
+            raise ValueError(f"--host {h!r}: not a URL (unix://, tcp://, ssh://) nor the name of an engine of "
+                             f"sandbox.docker.hosts ({[e.name for e in configured]})")
+        if known is None:
+            known = Engine(HostCfg(url=h, name=f"host{i}", **_env_tls(h)), i)
+        if known.url not in {e.url for e in out}:
+            out.append(known)
+    return out
+
+
+def _env_tls(url: str) -> dict:
+    """Docker's own TLS variables for a tcp:// engine not in the config: DOCKER_CERT_PATH holds ca.pem, cert.pem,
+    key.pem; DOCKER_TLS_VERIFY=1 checks the engine's certificate."""
+    path = os.environ.get("DOCKER_CERT_PATH")
+    if not url.startswith("tcp://") or not path:
+        return {}
+    verify = os.environ.get("DOCKER_TLS_VERIFY", "") != ""  # as docker-py reads it: set and not empty
+    return {"tls_verify": verify, "ca_cert": os.path.join(path, "ca.pem") if verify else None,
+            "client_cert": os.path.join(path, "cert.pem"), "client_key": os.path.join(path, "key.pem")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -927,38 +1000,34 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--all", action="store_true", help="remove every jaxrl_term container, live runs included")
     r.add_argument("--run", default=None, help="remove one run's containers")
     r.add_argument("--host", action="append", default=[],
-                   help="a Docker engine URL (unix://, tcp://, ssh://) to reap too; repeatable")
+                   help="reap this Docker engine only (repeatable): a URL (unix://, tcp://, ssh://) or the name of an "
+                        "engine of sandbox.docker.hosts; an engine of the composed config (overrides after --) is "
+                        "reached with its TLS files, another tcp:// one with DOCKER_CERT_PATH / DOCKER_TLS_VERIFY")
     r.add_argument("--all-hosts", action="store_true",
-                   help="every engine of sandbox.docker.hosts in the composed config (plus the default engine); "
+                   help="every engine of sandbox.docker.hosts in the composed config (with their TLS settings); "
                         "pass the same overrides as the run after --, e.g. -- +experiment=qwen32b_h100")
-    r.add_argument("overrides", nargs="*", help="Hydra overrides for --all-hosts")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides (the run's), for --all-hosts and --host")
     args = ap.parse_args(argv)
-    from jaxrl_term.sandbox.engines import Engine, HostCfg
-
-    engines = [Engine(HostCfg(url=url), i) for i, url in enumerate(dict.fromkeys(args.host))]
-    if args.all_hosts:  # the preset's engines with their TLS settings
-        from omegaconf import OmegaConf
-
-        from jaxrl_term.plan import compose
-        from jaxrl_term.sandbox.engines import EnginePool
-
-        hosts = OmegaConf.to_container(compose(args.overrides).sandbox.docker.hosts, resolve=True)
-        if hosts:
-            engines += [e for e in EnginePool(hosts).engines if e.url not in {x.url for x in engines}]
-    failed = 0
     try:
-        n = reap(all_runs=args.all, run_id=args.run)
-        print(f"default engine: removed {n} container(s)")
-    except Exception as e:  # noqa: BLE001 - a node without a local engine may still reap the cluster's
-        failed += not engines  # only an error when it was the one engine to reap
-        print(f"default engine: not reaped ({type(e).__name__}: {e})")
-    for engine in engines:
+        engines = reap_targets(args.host, args.all_hosts, args.overrides)
+    except ValueError as e:
+        print(f"reap: {e}", file=sys.stderr)
+        return 2
+    if not engines:  # neither --host nor --all-hosts: the default engine (DOCKER_HOST or the local socket)
+        try:
+            print(f"default engine: removed {reap(all_runs=args.all, run_id=args.run)} container(s)")
+            return 0
+        except Exception as e:  # noqa: BLE001
+            print(f"default engine: not reaped ({type(e).__name__}: {e})")
+            return 1
+    failed = 0
+    for engine in engines:  # the named engines only
         try:
             m = reap(all_runs=args.all, run_id=args.run, client_=engine.client())
-            print(f"{engine.url}: removed {m} container(s)")
+            print(f"{engine.label}: removed {m} container(s)")
         except Exception as e:  # noqa: BLE001 - one engine down does not stop the others
             failed += 1
-            print(f"{engine.url}: not reaped ({type(e).__name__}: {e})")
+            print(f"{engine.label}: not reaped ({type(e).__name__}: {e})")
     return 1 if failed else 0
 
 

@@ -5,9 +5,21 @@ sandbox on one of ``sandbox.docker.hosts`` through Docker's remote API (``unix:/
 ``ssh://``). ``EnginePool.place()`` picks the least-loaded healthy engine (load = open sandboxes / capacity),
 preferring one that already has the task's image, waits while every engine is full, and makes that engine the
 current one for the sandbox's whole life (a context variable: ``docker.client()`` answers with its client, so
-image builds, toolkit and toolchain volumes, containers, networks all land there). An engine that stops
-answering is taken out of rotation for ``cooldown_s`` (its episodes fail and are retried elsewhere by the
-rollout's retry loop: never scored) and tried again after.
+image builds, toolkit and toolchain volumes, containers, networks all land there).
+
+Health. An engine leaves the rotation when it does not answer after a sandbox failed there, refuses container
+creates in a row, or misses ``probe_misses`` liveness probes in a row (a watcher thread per engine pings it every
+``probe_interval_s`` with a ``probe_timeout_s`` bound, on a fresh connection): a hung engine (a stopped or wedged
+daemon, which accepts connections and never answers) is out of rotation within ``hang_bound_s`` =
+``probe_misses x (probe_interval_s + probe_timeout_s)``, 20 s by default, not the client's 300 s read timeout.
+The sandboxes it holds then fail at once with a ``SandboxError`` (their tasks are cancelled; ``place`` turns that
+into the error), so their attempts are retried on another engine (never scored). An engine out of rotation gets
+no sandbox until it answers a probe: after its cool-down (``cooldown_s``, doubled after each failed probe, up to
+8x) the watcher pings it; an answer puts it back, silence extends the cool-down. Attempts are not handed to an
+engine that has not answered: while another engine is in rotation they wait for room there; only when no engine
+answers does an attempt fail (after the first cool-down's probe), so a run whose every engine is gone stops
+(``RolloutStalled``) instead of waiting forever. Containers whose removal a silent engine did not answer are
+removed when it is back.
 
 Task images are built on the engine that needs them (same recipe hash, same cache key); the base images they
 start ``FROM`` are copied from an engine that has them (``docker save | docker load`` through the API) when a new
@@ -24,6 +36,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,11 +91,30 @@ class Engine:
         self.images: set[str] = set()  # task recipes (tasks/env.recipe_key) whose image is here
         self.bases_ready = False
         self.pool: EnginePool | None = None
-        self.down_until = 0.0
+        # in rotation once it answered a probe (the first at once: an engine dead from the start costs no attempt);
+        # out from mark_down until it answers a probe after its cool-down
+        self.in_rotation, self.fresh = False, True
+        self.down_until = 0.0  # the cool-down's end: no probe before
+        self.backoff = 0  # failed probes since it left the rotation (each doubles the next cool-down, up to 8x)
+        self.left_at = time.monotonic()
+        self._state_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self.holders: dict[object, tuple] = {}  # a place() here (its token) -> (its asyncio task, the task's loop)
+        self.cut: set = set()  # tokens of places failed because this engine stopped answering (EnginePool._cut)
+        # ("container" | "network", id) it was left holding (a removal it did not answer, or skipped because it
+        # was out of rotation): removed when a probe finds it back
+        self.orphans: set[tuple[str, str]] = set()
         self.created = self.failures = self.commands = 0
         self.create_s = self.command_s = 0.0
+        self.left = self.rejoined = self.hung = self.probes_failed = 0  # times out of / back into rotation
+        self.out_s = 0.0  # seconds out of rotation (closed spells; metrics() adds the current one)
         self.failing = 0  # consecutive container creates the engine refused (DockerSandbox.create counts them)
         self._reported: dict[str, float] = {}
+
+    @property
+    def label(self) -> str:
+        """How logs and errors name it: its configured name and URL."""
+        return f"{self.name} ({self.url})"
 
     @property
     def tls(self) -> bool:
@@ -127,10 +159,18 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return time.monotonic() >= self.down_until
+        """In rotation: it answered since it last failed (a cool-down's end alone does not put it back)."""
+        return self.in_rotation
+
+    @property
+    def probe_due(self) -> bool:
+        return not self.in_rotation and time.monotonic() >= self.down_until
 
     def ping(self, timeout_s: float = 5.0) -> bool:
-        """Whether the engine answers within ``timeout_s`` (a fresh connection: the pooled ones may hang)."""
+        """Whether the engine answers within ``timeout_s`` (a fresh connection: the pooled ones may hang; over ssh,
+        an ``ssh`` process killed at the deadline: docker-py's ssh socket has no read timeout)."""
+        if self.url.startswith("ssh://"):
+            return _ssh_ping(self.url, timeout_s)
         try:
             cl = self._connect(timeout_s=timeout_s, version=MIN_API_VERSION)
             try:
@@ -141,19 +181,77 @@ class Engine:
             return False
 
     def mark_down(self, cooldown_s: float, why: str) -> None:
-        self.down_until = time.monotonic() + cooldown_s
-        log.warning("Docker engine %s (%s) out of rotation for %.0fs: %s", self.name, self.url, cooldown_s, why)
+        """Out of rotation until a probe after ``cooldown_s`` answers (doubled per failed probe since it left)."""
+        now = time.monotonic()
+        with self._state_lock:
+            if self.in_rotation:
+                self.in_rotation, self.left_at, self.backoff = False, now, 0
+                self.left += 1
+            elif self.fresh:  # its first probe: out since the start
+                self.fresh, self.backoff = False, 0
+                self.left += 1
+            else:
+                self.backoff += 1
+            wait = cooldown_s * 2 ** min(self.backoff, 3)
+            self.down_until = now + wait
+        log.warning("Docker engine %s out of rotation, probed again in %.0fs: %s", self.label, wait, why)
+
+    def orphan(self, kind: str, ident: str) -> None:
+        with self._state_lock:
+            self.orphans.add((kind, ident))
+
+    def mark_up(self) -> None:
+        with self._state_lock:
+            if self.in_rotation:
+                return
+            self.in_rotation, self.backoff = True, 0
+            if self.fresh:  # its first probe answered
+                self.fresh = False
+                return
+            self.rejoined += 1
+            self.out_s += time.monotonic() - self.left_at
+        log.warning("Docker engine %s answers again: back in rotation after %.0fs", self.label,
+                    time.monotonic() - self.left_at)
 
     def metrics(self) -> dict[str, float]:
-        """``open`` and ``up`` now; ``created``, ``failures`` since the last call; latencies averaged over them."""
+        """``open`` and ``up`` now; ``out_s`` (seconds out of rotation, the current spell included) in total;
+        ``created``, ``failures``, ``left`` (times it left the rotation), ``hung`` (of those, missed liveness probes)
+        since the last call; latencies averaged over them."""
         p = f"engine/{self.name}"
         now = {"created": self.created, "failures": self.failures, "commands": self.commands,
-               "create_s": self.create_s, "command_s": self.command_s}
+               "create_s": self.create_s, "command_s": self.command_s, "left": self.left, "hung": self.hung}
         d = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
         return {f"{p}/open": self.open, f"{p}/created": d["created"], f"{p}/failures": d["failures"],
                 f"{p}/create_ms": 1e3 * d["create_s"] / max(1, d["created"]),
-                f"{p}/command_ms": 1e3 * d["command_s"] / max(1, d["commands"]), f"{p}/up": float(self.healthy)}
+                f"{p}/command_ms": 1e3 * d["command_s"] / max(1, d["commands"]), f"{p}/up": float(self.healthy),
+                f"{p}/left": d["left"], f"{p}/hung": d["hung"], f"{p}/out_s": self.out_total_s()}
+
+    def out_total_s(self) -> float:
+        with self._state_lock:
+            return self.out_s + (0.0 if self.in_rotation or self.fresh else time.monotonic() - self.left_at)
+
+
+def _ssh_ping(url: str, timeout_s: float) -> bool:
+    """``GET /_ping`` through ``ssh HOST docker system dial-stdio`` (what docker-py's ssh client runs, with the
+    same ``-l`` / ``-p``), bounded by ``timeout_s`` in wall time: the ssh process is killed at the deadline."""
+    import subprocess
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    argv = ["ssh", "-o", f"ConnectTimeout={max(1, int(timeout_s))}"]
+    if u.username:
+        argv += ["-l", u.username]
+    if u.port:
+        argv += ["-p", str(u.port)]
+    argv += ["--", u.hostname or "", "docker", "system", "dial-stdio"]
+    try:
+        r = subprocess.run(argv, input=b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n", capture_output=True,
+                           timeout=timeout_s)
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+    head, _, body = r.stdout.partition(b"\r\n\r\n")
+    return head.startswith(b"HTTP/1.") and b" 200 " in head.split(b"\r\n")[0] and body.strip() == b"OK"
 
 
 def ping_client(cl) -> bool:
@@ -203,7 +301,8 @@ MAX_CONSECUTIVE_FAILURES = 3
 
 
 class EnginePool:
-    def __init__(self, hosts: Sequence[HostCfg | dict], *, cooldown_s: float = 60.0):
+    def __init__(self, hosts: Sequence[HostCfg | dict], *, cooldown_s: float = 60.0, probe_interval_s: float = 5.0,
+                 probe_timeout_s: float = 5.0, probe_misses: int = 2):
         if not hosts:
             raise ValueError("sandbox.docker.hosts is empty")
         fields = {f.name for f in dataclasses.fields(HostCfg)}
@@ -228,10 +327,131 @@ class EnginePool:
         urls = [e.url for e in self.engines]
         if len(set(urls)) != len(urls):
             raise ValueError(f"sandbox.docker.hosts: an engine is listed twice ({urls}); raise its capacity instead")
-        if cooldown_s <= 0:
-            raise ValueError(f"sandbox.docker.cooldown_s={cooldown_s}: must be > 0")
+        for key, v in (("cooldown_s", cooldown_s), ("probe_interval_s", probe_interval_s),
+                       ("probe_timeout_s", probe_timeout_s)):
+            if not v > 0:
+                raise ValueError(f"sandbox.docker.{key}={v}: must be > 0")
+        if isinstance(probe_misses, bool) or not isinstance(probe_misses, int) or probe_misses < 1:
+            raise ValueError(f"sandbox.docker.probe_misses={probe_misses!r}: must be an integer >= 1")
         self.cooldown_s = cooldown_s
+        self.probe_interval_s, self.probe_timeout_s, self.probe_misses = probe_interval_s, probe_timeout_s, probe_misses
         self._lock = threading.Lock()  # open counts: event loops of several threads may share this pool
+        self._watching = False
+        self._stop = threading.Event()
+
+    @property
+    def hang_bound_s(self) -> float:
+        """The longest an engine that stopped answering stays in rotation (``probe_misses`` probes in a row)."""
+        return self.probe_misses * (self.probe_interval_s + self.probe_timeout_s)
+
+    def watch(self) -> None:
+        """Start the watchers (one daemon thread per engine; ``place`` does on first use). They hold the pool
+        weakly: a pool that is closed or no longer used stops them."""
+        with self._lock:
+            if self._watching:
+                return
+            self._watching = True
+        for i, e in enumerate(self.engines):
+            threading.Thread(target=_watch, args=(weakref.ref(self), i, self._stop), name=f"jaxrl-engine-{e.name}",
+                             daemon=True).start()
+
+    def close(self) -> None:
+        """Stop the watchers."""
+        self._stop.set()
+
+    def _check(self, e: Engine, misses: int) -> int:
+        """One watcher round for ``e``: a probe when it is out and due, else a liveness ping; the misses in a
+        row after it."""
+        try:
+            return self._round(e, misses)
+        except Exception:  # noqa: BLE001 - a watcher must not die: the next round tries again
+            log.exception("engine %s: watcher round failed", e.label)
+            return misses
+
+    def _round(self, e: Engine, misses: int) -> int:
+        if not e.healthy:
+            if e.probe_due:
+                self.probe(e)
+            return 0
+        if e.ping(self.probe_timeout_s):
+            return 0
+        if misses + 1 < self.probe_misses or not e.healthy:
+            return misses + 1
+        e.hung += 1
+        self.take_out(e, f"no answer to {self.probe_misses} liveness probes in a row ({self.probe_timeout_s:g}s "
+                         "each): hung or gone")
+        return 0
+
+    def take_out(self, e: Engine, why: str) -> None:
+        """``e`` did not answer: out of rotation, and the sandboxes it holds fail now (``_cut``)."""
+        e.mark_down(self.cooldown_s, why)
+        self._cut(e)
+
+    def probe(self, e: Engine) -> bool:
+        """An engine out of rotation whose cool-down ended: a bounded ping puts it back (and removes what it was
+        left holding), silence extends its cool-down. Nothing is charged to an attempt. Whether it is in
+        rotation after."""
+        with e._probe_lock:
+            if not e.probe_due:  # another thread probed it meanwhile
+                return e.healthy
+            if not e.ping(self.probe_timeout_s):
+                e.probes_failed += 1
+                e.mark_down(self.cooldown_s, "it still does not answer after its cool-down")
+                return False
+            e.mark_up()
+        # off this thread (a watcher's, or an attempt's): the engine may go silent again under these removals
+        threading.Thread(target=self._remove_orphans, args=(e,), name=f"jaxrl-orphans-{e.name}", daemon=True).start()
+        return True
+
+    def _remove_orphans(self, e: Engine) -> None:
+        import docker
+
+        with e._state_lock:
+            orphans, e.orphans = e.orphans, set()
+        if not orphans:
+            return
+        try:
+            cl = e._connect(timeout_s=30, version=e.client().api._version)
+        except Exception:  # noqa: BLE001 - it went again: kept for its next return
+            with e._state_lock:
+                e.orphans |= orphans
+            return
+        try:
+            for kind, ident in sorted(orphans):  # containers before the networks they are on
+                try:
+                    if kind == "container":
+                        cl.api.remove_container(ident, force=True, v=True)
+                    else:
+                        cl.api.remove_network(ident)
+                except docker.errors.NotFound:
+                    pass
+                except Exception as err:  # noqa: BLE001 - the reaper covers what is left
+                    log.warning("engine %s: could not remove %s %s left by a silent spell: %s", e.label, kind,
+                                ident[:12], err)
+        finally:
+            cl.close()
+
+    def _cut(self, e: Engine) -> None:
+        """Fail the sandboxes placed on ``e`` (it stopped answering) now: each holder's task is cancelled on its
+        own loop, if its place is still there when the loop runs the call (one that left meanwhile is spared), and
+        ``place`` turns that into a ``SandboxError`` (the attempt is retried on another engine) instead of waiting
+        on the engine."""
+        with self._lock:
+            holders = list(e.holders.items())
+            e.cut.update(token for token, _ in holders)
+        tasks: dict = {}
+        for token, (task, loop) in holders:  # one cancel per task (nested places of one task share it)
+            tasks.setdefault(task, (loop, []))[1].append(token)
+        for task, (loop, tokens) in tasks.items():
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nothing to cancel
+                loop.call_soon_threadsafe(self._cancel_if_cut, e, task, tokens)
+
+    def _cancel_if_cut(self, e: Engine, task, tokens: list) -> None:
+        """On the task's loop thread, where ``place``'s exit runs too: cancel only a place still held."""
+        with self._lock:
+            held = any(t in e.cut for t in tokens)
+        if held and not task.done():
+            task.cancel(f"Docker engine {e.name} stopped answering")
 
     def _pick(self, prefer: str | None) -> Engine | None:
         free = [e for e in self.engines if e.healthy and e.open < e.capacity]
@@ -254,23 +474,27 @@ class EnginePool:
                 raise SandboxError(f"no Docker engine had room for a sandbox within {timeout_s:.0f}s "
                                    f"({self.describe()})")
             if not any(e.healthy for e in self.engines):
-                # every engine is out of rotation: wait for the first cool-down to end, then ask it; one that
-                # still does not answer fails this sandbox (the episode is retried, then dropped)
-                first = min(self.engines, key=lambda e: e.down_until)
-                until = first.down_until if deadline is None else min(first.down_until, deadline)
-                await asyncio.sleep(max(0.0, until - time.monotonic()))
-                if not first.healthy:
-                    continue  # marked down again meanwhile, or the deadline came first
-                if not await asyncio.to_thread(first.ping):
-                    first.mark_down(self.cooldown_s, "it still does not answer after its cool-down")
+                # no engine in rotation (at start-up: none probed yet): probe every one whose cool-down has ended,
+                # at once; when none answers this sandbox fails (the episode is retried, then dropped: a run whose
+                # every engine is gone stops instead of waiting forever); when none is due, wait for the first
+                due = [e for e in self.engines if e.probe_due]
+                if not due:
+                    until = min(e.down_until for e in self.engines)
+                    until = until if deadline is None else min(until, deadline)
+                    await asyncio.sleep(max(0.0, until - time.monotonic()))
+                    continue
+                answered = await asyncio.gather(*(asyncio.to_thread(self.probe, e) for e in due))
+                if not any(answered) and not any(e.healthy for e in self.engines):
                     raise SandboxError(f"no Docker engine answers ({self.describe()})")
                 continue
+            # room is taken, or the engines that answer are full: wait (never handed to one that has not answered)
             await asyncio.sleep(0.05)
 
     def describe(self) -> str:
         now = time.monotonic()
         return ", ".join(f"{e.name}: {e.open}/{e.capacity} open" + ("" if e.healthy else
-                                                                    f", down for {e.down_until - now:.0f}s more")
+                                                                    f", out of rotation, probed in "
+                                                                    f"{max(0.0, e.down_until - now):.0f}s")
                          for e in self.engines)
 
     @contextlib.asynccontextmanager
@@ -283,17 +507,21 @@ class EnginePool:
         the waiters)."""
         from jaxrl_term.sandbox.base import SandboxError
 
+        self.watch()
         if on is not None:
             if on not in self.engines:
                 raise ValueError(f"engine {on.name} is not in this pool")
             # out of rotation for another episode's reason is no reason here: only an engine that does not answer
-            if not on.healthy and not await asyncio.to_thread(on.ping):
+            if not on.healthy and not await asyncio.to_thread(on.ping, self.probe_timeout_s):
                 raise SandboxError(f"Docker engine {on.name} ({on.url}) does not answer")
             engine = on
             with self._lock:
                 engine.open += 1
         else:
             engine = await self._wait_for_engine(prefer, timeout_s)
+        task, ticket = asyncio.current_task(), object()
+        with self._lock:
+            engine.holders[ticket] = (task, asyncio.get_running_loop())
         token = CURRENT.set(engine)
         error: BaseException | None = None
         try:
@@ -303,6 +531,15 @@ class EnginePool:
                 raise SandboxError(f"Docker engine {engine.name} ({engine.url}): {type(e).__name__}: {e}") from e
             yield engine
         except BaseException as e:
+            with self._lock:
+                was_cut = ticket in engine.cut
+                engine.cut.discard(ticket)
+            # the engine stopped answering (_cut) and nothing else cancelled this task (an attempt's deadline, a
+            # stopping run: those stay cancellations)
+            if isinstance(e, asyncio.CancelledError) and was_cut and task.uncancel() == 0:
+                error = SandboxError(f"Docker engine {engine.label} stopped answering: this sandbox's attempt is "
+                                     "retried on another engine")
+                raise error from e
             error = e
             raise
         finally:
@@ -311,16 +548,21 @@ class EnginePool:
             # an engine that does not answer leaves the rotation before the episode is retried
             with self._lock:
                 engine.open -= 1
-            if isinstance(error, asyncio.CancelledError) and engine.healthy:
+                engine.holders.pop(ticket, None)
+                engine.cut.discard(ticket)
+            if not engine.healthy:
+                engine.failures += error is not None  # already out of rotation (the watcher, another sandbox)
+            elif isinstance(error, asyncio.CancelledError):
                 # an attempt cut off (its deadline, or the run stopping): the engine may be what hung it (a wedged
                 # daemon accepts and never answers); the next attempt must not wait a whole deadline on it again
-                if not await asyncio.to_thread(engine.ping):
-                    engine.mark_down(self.cooldown_s, "it did not answer after a sandbox's work was cut off")
+                if not await asyncio.to_thread(engine.ping, self.probe_timeout_s) and engine.healthy:
+                    self.take_out(engine, "it did not answer after a sandbox's work was cut off")
             elif not isinstance(error, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
                 engine.failures += error is not None
-                if not await asyncio.to_thread(engine.ping):
-                    why = f"{type(error).__name__}: {error}" if error is not None else "it stopped answering"
-                    engine.mark_down(self.cooldown_s, why)
+                if not await asyncio.to_thread(engine.ping, self.probe_timeout_s):
+                    if engine.healthy:
+                        self.take_out(engine, f"{type(error).__name__}: {error}" if error is not None
+                                      else "it stopped answering")
                 elif engine.failing >= MAX_CONSECUTIVE_FAILURES:
                     engine.failing = 0
                     engine.mark_down(self.cooldown_s, f"{MAX_CONSECUTIVE_FAILURES} container creates in a row were "
@@ -340,14 +582,14 @@ class EnginePool:
             peers = [e.client for e in self.engines if e is not engine and e.healthy]
             peers.append(default_client)
             for spec in BASE_IMAGES.values():
-                if ensure_image(engine.client(), spec.name, peers):
+                if ensure_image(engine.client(), spec.name, peers, where=engine.label):
                     continue
                 if engine.tls or engine.url.startswith("ssh://"):
                     raise SandboxError(f"Docker engine {engine.name} ({engine.url}) has no {spec.name} and no peer "
                                        f"engine has it: run `DOCKER_HOST={engine.url} python -m "
                                        "jaxrl_term.sandbox.images setup` (with DOCKER_TLS_VERIFY / DOCKER_CERT_PATH "
                                        "for TLS) once")
-                log.info("building %s on engine %s (no peer has it)", spec.name, engine.name)
+                log.info("building %s on engine %s (no peer has it)", spec.name, engine.label)
                 build_base_image(engine.client(), spec, ca_bundle=resolve_ca_bundle("auto"), host=engine.url)
             engine.bases_ready = True
 
@@ -365,7 +607,7 @@ class EnginePool:
             if name in engine.prebuilt:
                 return
             peers = [e.client for e in self.engines if e is not engine and e.healthy] + [default_client]
-            if not ensure_image(engine.client(), name, peers):
+            if not ensure_image(engine.client(), name, peers, where=engine.label):
                 raise SandboxError(f"image {name!r} is on no Docker engine of sandbox.docker.hosts (nothing is "
                                    f"pulled): load or build it on one of them, e.g. `docker -H {engine.url} load`")
             engine.prebuilt.add(name)
@@ -377,19 +619,34 @@ class EnginePool:
         return out
 
 
+def _watch(ref: weakref.ref, index: int, stop: threading.Event) -> None:
+    """A watcher thread: ``EnginePool._check`` of engine ``index`` every ``probe_interval_s`` until ``stop`` or the
+    pool is gone."""
+    misses = 0
+    while True:
+        pool = ref()
+        if pool is None:
+            return
+        misses, interval = pool._check(pool.engines[index], misses), pool.probe_interval_s
+        del pool
+        if stop.wait(interval):
+            return
+
+
 _SHARED: dict[str, EnginePool] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def shared_pool(hosts: Sequence[HostCfg | dict | str], *, cooldown_s: float = 60.0) -> EnginePool:
-    """One ``EnginePool`` per process for the same hosts and cool-down (config.SandboxCfg.engines)."""
+def shared_pool(hosts: Sequence[HostCfg | dict | str], **settings) -> EnginePool:
+    """One ``EnginePool`` per process for the same hosts and settings (``cooldown_s``, ``probe_*``;
+    config.SandboxCfg.engines)."""
     import json
 
-    key = json.dumps([dataclasses.asdict(h) if isinstance(h, HostCfg) else h for h in hosts], sort_keys=True,
-                     default=str) + f"|{cooldown_s}"
+    key = json.dumps([[dataclasses.asdict(h) if isinstance(h, HostCfg) else h for h in hosts], settings],
+                     sort_keys=True, default=str)
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = EnginePool(hosts, cooldown_s=cooldown_s)
+            _SHARED[key] = EnginePool(hosts, **settings)
         return _SHARED[key]
 
 
@@ -397,12 +654,13 @@ def current() -> Engine | None:
     return CURRENT.get()
 
 
-def ensure_image(engine_client: Any, name: str, peers: Sequence[Any]) -> bool:
+def ensure_image(engine_client: Any, name: str, peers: Sequence[Any], *, where: str | None = None) -> bool:
     """``name`` (a base image, or any image that is never pulled) on the engine of ``engine_client``: copied from
     the first peer engine that has it, streamed ``save -> load`` through the API. A copy already there is kept
     unless the peer's carries another recipe (the ``jaxrl_term.recipe`` label ``images.py`` sets: a stale base
     image under the same tag is replaced). A peer that is down or fails mid-copy is skipped. ``peers``: clients,
-    or callables that make one. False when the image is not there and no peer could give it."""
+    or callables that make one; ``where``: the engine's name in logs (``Engine.label``; default its API URL).
+    False when the image is not there and no peer could give it."""
     import docker
 
     from jaxrl_term.sandbox.images import RECIPE_LABEL
@@ -427,9 +685,9 @@ def ensure_image(engine_client: Any, name: str, peers: Sequence[Any]) -> bool:
             engine_client.images.load(img.save(named=tag))  # a generator of chunks: streamed, never all in memory
             engine_client.images.get(name)
         except Exception as e:  # noqa: BLE001 - that peer went away mid-copy, or the load failed: try the next
-            log.warning("copying %s to engine %s failed: %s", name, engine_client.api.base_url, e)
+            log.warning("copying %s to engine %s failed: %s", name, where or engine_client.api.base_url, e)
             continue
-        log.info("image %s copied to engine %s in %.1fs%s", name, engine_client.api.base_url,
+        log.info("image %s copied to engine %s in %.1fs%s", name, where or engine_client.api.base_url,
                  time.monotonic() - t0, f" (replacing recipe {have})" if present else "")
         return True
     return present
