@@ -188,11 +188,11 @@ def test_a_cut_fails_the_places_still_held_once_and_leaves_real_cancellations_al
     assert asyncio.run(spared()) == "not cancelled"
 
 
-def _engines(url2, capacity=2):
+def _engines(url2, capacity=2, **settings):
     from jaxrl_term.sandbox.engines import EnginePool
 
     return EnginePool([{"url": DEFAULT, "capacity": capacity, "name": "one"},
-                       {"url": url2, "capacity": capacity, "name": "two"}], cooldown_s=600)
+                       {"url": url2, "capacity": capacity, "name": "two"}], **{"cooldown_s": 600, **settings})
 
 
 def _pipeline(tasks, tok, engine, pool, **kw):
@@ -208,6 +208,8 @@ def _pipeline(tasks, tok, engine, pool, **kw):
 
 
 def test_killed_engine_episodes_are_retried_on_the_other_and_nothing_is_left(second_engine, tiny_tokenizer_dir):
+    """The second daemon SIGKILLed under an episode: the batch completes on the first with the verifier's rewards;
+    restarted, it rejoins after a probe and what the kill left there is removed; ``reap --all-hosts``."""
     import docker
 
     from jaxrl_term.agent.actions import SENTINEL
@@ -219,7 +221,7 @@ def test_killed_engine_episodes_are_retried_on_the_other_and_nothing_is_left(sec
 
     tok = load_tokenizer(tiny_tokenizer_dir)
     tasks = [generate("create_file", "easy", seed=21)]
-    engines = _engines(second_engine["url"])
+    engines = _engines(second_engine["url"], cooldown_s=1, probe_interval_s=0.5, probe_timeout_s=1)
     engine = SessionEngine(tok, ["```bash\nsleep 4; echo working\n```", f"```bash\necho {SENTINEL}\n```"])
     two = docker.DockerClient(base_url=second_engine["url"])
 
@@ -256,17 +258,27 @@ def test_killed_engine_episodes_are_retried_on_the_other_and_nothing_is_left(sec
     assert not any(counters.get(f"pipeline/{o}", 0) for o in ("verifier_sabotaged", "tampered")), counters
     retried = sum(v for k, v in counters.items() if k.startswith("pipeline/retry_"))
     assert retried >= 1, counters
-    # the second daemon comes back: the reaper leaves nothing of this run on either engine
+    assert engines.engines[1].orphans  # the containers whose removal the killed engine did not answer
+    # the second daemon is restarted: a probe puts it back and removes what the kill left there
     from jaxrl_term.sandbox.engines import restart
 
     restart(second_engine)
     two = docker.DockerClient(base_url=second_engine["url"])
-    assert two.containers.list(all=True, filters={"label": f"{LABEL_RUN}={RUN_ID}"})  # left there by the kill
+    t0 = time.monotonic()
+    while not engines.engines[1].healthy or two.containers.list(all=True, filters={"label": f"{LABEL_RUN}={RUN_ID}"}):
+        assert time.monotonic() - t0 < 60, engines.describe()
+        time.sleep(0.2)
+    assert engines.engines[1].rejoined == 1
+    engines.close()
+    # a dead run's containers on both engines: reap --all-hosts (the preset's engines) leaves nothing of it
+    dead = f"jrt-test-dead-{os.getpid()}"
+    for cl in (docker.from_env(), two):
+        cl.containers.create("jaxrl-term/base:trixie", "true", labels={LABEL_RUN: dead})
     hosts = (f"sandbox.docker.hosts=[{{url:'{DEFAULT}',capacity:2,name:one}},"
              f"{{url:'{second_engine['url']}',capacity:2,name:two}}]")
-    assert reap_cli(["reap", "--run", RUN_ID, "--all-hosts", "--", hosts]) == 0  # the preset's engines
+    assert reap_cli(["reap", "--run", dead, "--all-hosts", "--", hosts]) == 0  # the preset's engines
     for cl in (docker.from_env(), two):
-        assert cl.containers.list(all=True, filters={"label": f"{LABEL_RUN}={RUN_ID}"}) == []
+        assert cl.containers.list(all=True, filters={"label": f"{LABEL_RUN}={dead}"}) == []
 
 
 def test_a_dead_or_hung_engine_costs_no_attempt_and_a_resumed_one_rejoins(second_engine, tiny_tokenizer_dir):
