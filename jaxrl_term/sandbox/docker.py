@@ -60,6 +60,16 @@ PUBLIC_NETWORK = "jaxrl-public"
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="jaxrl-docker")
 
 
+def _executor() -> concurrent.futures.Executor:
+    """The threads for the current engine's blocking Docker calls (each engine of a pool has its own: calls
+    stuck on a hung engine until the client's read timeout cannot take the threads the other engines need), else
+    the default engine's."""
+    from jaxrl_term.sandbox.engines import CURRENT
+
+    engine = CURRENT.get()
+    return engine.executor() if engine is not None else _POOL
+
+
 def client():
     """The current engine's client (``engines.EnginePool.place`` sets it for a sandbox's life), else the
     default engine's (``DOCKER_HOST`` / the local socket)."""
@@ -79,7 +89,8 @@ def default_client():
 async def _call(fn, *args, **kwargs):
     # in the caller's context: what runs in the thread sees the same current engine
     ctx = contextvars.copy_context()
-    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(ctx.run, fn, *args, **kwargs))
+    return await asyncio.get_running_loop().run_in_executor(_executor(), functools.partial(ctx.run, fn, *args,
+                                                                                          **kwargs))
 
 
 def _remove_when_created(create: concurrent.futures.Future) -> None:
@@ -584,7 +595,8 @@ class DockerSandbox:
 
         t_create = _time.monotonic()
         ctx = contextvars.copy_context()
-        create = _POOL.submit(ctx.run, functools.partial(client().containers.run, image, [toolkit.PAUSE], **run_kwargs))
+        create = _executor().submit(ctx.run, functools.partial(client().containers.run, image, [toolkit.PAUSE],
+                                                               **run_kwargs))
         try:
             container = await asyncio.shield(asyncio.wrap_future(create))
         except asyncio.CancelledError:  # the create goes on in its thread: remove what it makes

@@ -83,6 +83,7 @@ class Engine:
         self.cfg, self.url, self.capacity = cfg, cfg.url, cfg.capacity
         self.name = cfg.name or f"e{index}"  # metric names: engine/e0/open, ...
         self._client = None
+        self._executor = None
         self._client_lock = threading.Lock()
         self.base_lock = threading.Lock()  # one copy / build of the base images at a time
         self.image_locks: dict[str, threading.Lock] = {}  # one copy of a prebuilt image at a time
@@ -110,6 +111,16 @@ class Engine:
         self.out_s = 0.0  # seconds out of rotation (closed spells; metrics() adds the current one)
         self.failing = 0  # consecutive container creates the engine refused (DockerSandbox.create counts them)
         self._reported: dict[str, float] = {}
+
+    def executor(self):
+        """This engine's threads for blocking Docker calls (``docker._call``): 64, made on first use."""
+        with self._client_lock:
+            if self._executor is None:
+                import concurrent.futures
+
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=64,
+                                                                       thread_name_prefix=f"jaxrl-docker-{self.name}")
+            return self._executor
 
     @property
     def label(self) -> str:
