@@ -177,6 +177,23 @@ def test_a_cut_fails_the_places_still_held_once_and_leaves_real_cancellations_al
         assert a.open == 0 and not a.holders and not a.cut
     assert isinstance(asyncio.run(cut_while(held(False), also_cancel=True)), asyncio.CancelledError)
 
+    async def in_one_turn(*calls):  # calls made together on the loop while a place is held
+        task = asyncio.create_task(held(False))
+        await asyncio.sleep(0.05)
+        asyncio.get_running_loop().call_soon(lambda: [c(task) for c in calls])
+        try:
+            return await asyncio.wait_for(task, 5)
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    def cut(task):
+        pool._cut(a)
+
+    # a real cancel queued before the cut stays a cancellation; two cuts (the watcher and a sandbox's exit) one
+    # SandboxError
+    assert isinstance(asyncio.run(in_one_turn(lambda t: t.cancel(), cut)), asyncio.CancelledError)
+    assert isinstance(asyncio.run(in_one_turn(cut, cut)), SandboxError)
+
     async def spared():  # the cut's cancel reaches the loop after the place was left: nothing is cancelled
         place = pool.place()
         await place.__aenter__()

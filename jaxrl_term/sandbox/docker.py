@@ -102,10 +102,14 @@ def _remove_when_created(create: concurrent.futures.Future) -> None:
     _POOL.submit(_quiet, create.result().remove, force=True, v=True)
 
 
-def _removed(container) -> bool:
-    """Remove a container (and its anonymous volumes); whether it is gone (False: the engine did not answer)."""
+def _removed(container, engine=None) -> bool:
+    """Remove a container (and its anonymous volumes); whether it is gone (False: the engine did not answer).
+    ``engine``: a pool's, where it stays recorded as an orphan until it is gone (removed when a probe finds the
+    engine back: ``engines.EnginePool.probe``), also when the caller stops waiting for this."""
     import docker
 
+    if engine is not None:
+        engine.orphan("container", container.id)
     try:
         container.remove(force=True, v=True)
     except docker.errors.NotFound:
@@ -113,6 +117,8 @@ def _removed(container) -> bool:
     except Exception as e:  # noqa: BLE001 - the engine is down, or refused
         log.debug("removing container %s: %s", container.short_id, e)
         return False
+    if engine is not None:
+        engine.unorphan("container", container.id)
     return True
 
 
@@ -656,8 +662,8 @@ class DockerSandbox:
         except BaseException:  # cancelled or failed before the sandbox exists to close it
             if engine is not None and not engine.healthy:  # it stopped answering: removed when it is back
                 engine.orphan("container", container.id)
-            elif not await asyncio.shield(_call(_removed, container)) and engine is not None:
-                engine.orphan("container", container.id)
+            else:
+                await asyncio.shield(_call(_removed, container, engine))
             raise
 
         # read on the host (microseconds per command); None on a remote engine: the pid limit alone holds there
@@ -954,10 +960,10 @@ class DockerSandbox:
             # out of rotation (it may never answer: hung), or a removal it did not answer (killed): the container
             # is removed when a probe finds it back (EnginePool.probe); else it goes now, even when this close is
             # cancelled (an attempt's deadline, a stopping run)
-            if (engine is not None and not engine.healthy) or \
-                    not await asyncio.shield(_call(_removed, self.container)):
-                if engine is not None:
-                    engine.orphan("container", self.container.id)
+            if engine is not None and not engine.healthy:
+                engine.orphan("container", self.container.id)
+            else:
+                await asyncio.shield(_call(_removed, self.container, engine))
 
 
 def reap_targets(hosts: list[str], all_hosts: bool, overrides: list[str]) -> list:

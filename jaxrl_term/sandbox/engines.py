@@ -84,6 +84,7 @@ class Engine:
         self.name = cfg.name or f"e{index}"  # metric names: engine/e0/open, ...
         self._client = None
         self._executor = None
+        self._executor_lock = threading.Lock()
         self._client_lock = threading.Lock()
         self.base_lock = threading.Lock()  # one copy / build of the base images at a time
         self.image_locks: dict[str, threading.Lock] = {}  # one copy of a prebuilt image at a time
@@ -101,7 +102,9 @@ class Engine:
         self._state_lock = threading.Lock()
         self._probe_lock = threading.Lock()
         self.holders: dict[object, tuple] = {}  # a place() here (its token) -> (its asyncio task, the task's loop)
-        self.cut: set = set()  # tokens of places failed because this engine stopped answering (EnginePool._cut)
+        # tickets of places failed because this engine stopped answering (EnginePool._cut) -> whether the cancel
+        # was delivered for that place (one per task: its innermost place, the first to see the CancelledError)
+        self.cut: dict[object, bool] = {}
         # ("container" | "network", id) it was left holding (a removal it did not answer, or skipped because it
         # was out of rotation): removed when a probe finds it back
         self.orphans: set[tuple[str, str]] = set()
@@ -114,7 +117,7 @@ class Engine:
 
     def executor(self):
         """This engine's threads for blocking Docker calls (``docker._call``): 64, made on first use."""
-        with self._client_lock:
+        with self._executor_lock:
             if self._executor is None:
                 import concurrent.futures
 
@@ -191,10 +194,12 @@ class Engine:
         except Exception:  # noqa: BLE001 - any failure to answer is "down"
             return False
 
-    def mark_down(self, cooldown_s: float, why: str) -> None:
-        """Out of rotation until a probe after ``cooldown_s`` answers (doubled per failed probe since it left)."""
+    def mark_down(self, cooldown_s: float, why: str) -> bool:
+        """Out of rotation until a probe after ``cooldown_s`` answers (doubled per failed probe since it left).
+        Whether this call took it out (False: it was out already, or two threads raced and the other did)."""
         now = time.monotonic()
         with self._state_lock:
+            left = self.in_rotation
             if self.in_rotation:
                 self.in_rotation, self.left_at, self.backoff = False, now, 0
                 self.left += 1
@@ -206,10 +211,15 @@ class Engine:
             wait = cooldown_s * 2 ** min(self.backoff, 3)
             self.down_until = now + wait
         log.warning("Docker engine %s out of rotation, probed again in %.0fs: %s", self.label, wait, why)
+        return left
 
     def orphan(self, kind: str, ident: str) -> None:
         with self._state_lock:
             self.orphans.add((kind, ident))
+
+    def unorphan(self, kind: str, ident: str) -> None:
+        with self._state_lock:
+            self.orphans.discard((kind, ident))
 
     def mark_up(self) -> None:
         with self._state_lock:
@@ -394,9 +404,10 @@ class EnginePool:
         return 0
 
     def take_out(self, e: Engine, why: str) -> None:
-        """``e`` did not answer: out of rotation, and the sandboxes it holds fail now (``_cut``)."""
-        e.mark_down(self.cooldown_s, why)
-        self._cut(e)
+        """``e`` did not answer: out of rotation, and the sandboxes it holds fail now (``_cut``; once: a thread
+        that finds it already out leaves it)."""
+        if e.mark_down(self.cooldown_s, why):
+            self._cut(e)
 
     def probe(self, e: Engine) -> bool:
         """An engine out of rotation whose cool-down ended: a bounded ping puts it back (and removes what it was
@@ -408,6 +419,8 @@ class EnginePool:
             if not e.ping(self.probe_timeout_s):
                 e.probes_failed += 1
                 e.mark_down(self.cooldown_s, "it still does not answer after its cool-down")
+                if e.holders:  # places made on it while out (refused creates, a verifier's pinned check)
+                    self._cut(e)
                 return False
             e.mark_up()
         # off this thread (a watcher's, or an attempt's): the engine may go silent again under these removals
@@ -436,7 +449,8 @@ class EnginePool:
                         cl.api.remove_network(ident)
                 except docker.errors.NotFound:
                     pass
-                except Exception as err:  # noqa: BLE001 - the reaper covers what is left
+                except Exception as err:  # noqa: BLE001 - kept for its next return (the reaper covers the rest)
+                    e.orphan(kind, ident)
                     log.warning("engine %s: could not remove %s %s left by a silent spell: %s", e.label, kind,
                                 ident[:12], err)
         finally:
@@ -447,22 +461,26 @@ class EnginePool:
         own loop, if its place is still there when the loop runs the call (one that left meanwhile is spared), and
         ``place`` turns that into a ``SandboxError`` (the attempt is retried on another engine) instead of waiting
         on the engine."""
-        with self._lock:
-            holders = list(e.holders.items())
-            e.cut.update(token for token, _ in holders)
         tasks: dict = {}
-        for token, (task, loop) in holders:  # one cancel per task (nested places of one task share it)
-            tasks.setdefault(task, (loop, []))[1].append(token)
-        for task, (loop, tokens) in tasks.items():
-            with contextlib.suppress(RuntimeError):  # its loop has closed: nothing to cancel
-                loop.call_soon_threadsafe(self._cancel_if_cut, e, task, tokens)
-
-    def _cancel_if_cut(self, e: Engine, task, tokens: list) -> None:
-        """On the task's loop thread, where ``place``'s exit runs too: cancel only a place still held."""
         with self._lock:
-            held = any(t in e.cut for t in tokens)
-        if held and not task.done():
-            task.cancel(f"Docker engine {e.name} stopped answering")
+            for ticket, (task, loop) in e.holders.items():
+                if ticket not in e.cut:  # a place cut already is not cancelled twice
+                    e.cut[ticket] = False
+                    tasks.setdefault(task, (loop, []))[1].append(ticket)
+        for task, (loop, tickets) in tasks.items():  # one cancel per task (nested places of one task share it)
+            with contextlib.suppress(RuntimeError):  # its loop has closed: nothing to cancel
+                loop.call_soon_threadsafe(self._cancel_if_cut, e, task, tickets)
+
+    def _cancel_if_cut(self, e: Engine, task, tickets: list) -> None:
+        """On the task's loop thread, where ``place``'s exit runs too: cancel only a place still held, and mark
+        the innermost such place as the one the cancel is for (``place`` turns exactly that CancelledError
+        into a SandboxError)."""
+        with self._lock:
+            held = [t for t in tickets if t in e.cut]
+            if not held or task.done():
+                return
+            e.cut[held[-1]] = True
+        task.cancel(f"Docker engine {e.name} stopped answering")
 
     def _pick(self, prefer: str | None) -> Engine | None:
         free = [e for e in self.engines if e.healthy and e.open < e.capacity]
@@ -543,11 +561,10 @@ class EnginePool:
             yield engine
         except BaseException as e:
             with self._lock:
-                was_cut = ticket in engine.cut
-                engine.cut.discard(ticket)
+                ours = engine.cut.pop(ticket, False)  # True: _cancel_if_cut cancelled the task for this place
             # the engine stopped answering (_cut) and nothing else cancelled this task (an attempt's deadline, a
             # stopping run: those stay cancellations)
-            if isinstance(e, asyncio.CancelledError) and was_cut and task.uncancel() == 0:
+            if isinstance(e, asyncio.CancelledError) and ours and task.uncancel() == 0:
                 error = SandboxError(f"Docker engine {engine.label} stopped answering: this sandbox's attempt is "
                                      "retried on another engine")
                 raise error from e
@@ -560,7 +577,7 @@ class EnginePool:
             with self._lock:
                 engine.open -= 1
                 engine.holders.pop(ticket, None)
-                engine.cut.discard(ticket)
+                engine.cut.pop(ticket, None)
             if not engine.healthy:
                 engine.failures += error is not None  # already out of rotation (the watcher, another sandbox)
             elif isinstance(error, asyncio.CancelledError):
